@@ -1,0 +1,48 @@
+# berth: `make run` serves the default models, `make test` runs the suite.
+# Both set up .venv first on a fresh machine.
+
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+BERTH  := $(VENV)/bin/berth
+REPO   ?= model_repository
+# CPU-only machines get the CPU build of torch (a plain `torch` requirement
+# would pull a multi-GB CUDA build); machines with an NVIDIA driver get the
+# default build.
+TORCH_CPU ?= torch==2.13.0
+
+.PHONY: run test lint venv models bench clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml setup.py protos/berth/v1/*.proto batcher/_core_c.pyx
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	if command -v nvidia-smi >/dev/null 2>&1; then \
+	  $(PY) -m pip install -q 'torch>=2.11'; \
+	else \
+	  $(PY) -m pip install -q $(TORCH_CPU); \
+	fi
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+models: $(REPO)/minilm/berth.json
+
+$(REPO)/minilm/berth.json: $(VENV)/.installed
+	$(BERTH) build-models --model-repository $(REPO)
+
+run: venv models
+	$(BERTH) serve --model-repository $(REPO)
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+test: venv models lint
+	HF_HUB_OFFLINE=1 BERTH_MODEL_REPOSITORY=$(abspath $(REPO)) $(PY) -m pytest -q
+
+bench: venv models
+	$(PY) benchmarks/batcher.py
+
+clean:
+	rm -rf build *.egg-info batcher/*.so batcher/*.c services/proto

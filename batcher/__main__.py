@@ -1,0 +1,80 @@
+"""``python -m batcher``: the batcher of one model group."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from batcher.core import IMPLEMENTATION
+from batcher.engines import EnginePool
+from batcher.scheduler import ModelScheduler, SchedulerConfig
+from batcher.service import BatcherService
+from services.config import DEFAULT_BATCHER_PORT, add_flag, repository_flag
+from services.logs import setup_logging
+from services.proto.berth.v1 import internal_pb2, internal_pb2_grpc
+from services.repository import load_repository
+from services.server import ServiceServer
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m batcher", description=__doc__)
+    add_flag(parser, "host", "127.0.0.1", "address to listen on")
+    add_flag(parser, "port", DEFAULT_BATCHER_PORT, "port to listen on")
+    add_flag(parser, "engines", "127.0.0.1:50070", "comma-separated engine addresses")
+    add_flag(parser, "token-budget", 16384, "max padded tokens per batch")
+    add_flag(parser, "max-delay-ms", 5.0, "max wait for a batch to fill")
+    add_flag(parser, "queue-capacity", 4096, "max sequences queued per model")
+    add_flag(parser, "max-batch", 256, "max rows per batch")
+    repository_flag(parser)
+    return parser.parse_args(argv)
+
+
+async def main(args: argparse.Namespace) -> None:
+    log = setup_logging("batcher")
+    repository = load_repository(args.model_repository)
+    config = SchedulerConfig(
+        token_budget=args.token_budget,
+        max_delay_s=args.max_delay_ms / 1000,
+        capacity=args.queue_capacity,
+        max_batch=args.max_batch,
+    )
+    pool = EnginePool([a for a in args.engines.split(",") if a])
+    schedulers = {
+        name: ModelScheduler(entry, pool, config) for name, entry in repository.items()
+    }
+    server = ServiceServer(
+        "batcher",
+        f"{args.host}:{args.port}",
+        [internal_pb2.DESCRIPTOR.services_by_name["Batcher"].full_name],
+    )
+    internal_pb2_grpc.add_BatcherServicer_to_server(BatcherService(schedulers), server.server)
+    await server.start()
+    log.info(
+        "batcher core: %s; models %s; buckets %s; engines %s",
+        IMPLEMENTATION,
+        ", ".join(schedulers),
+        {n: e.buckets for n, e in repository.items()},
+        args.engines,
+    )
+    pool.start()
+    for scheduler in schedulers.values():
+        scheduler.start()
+
+    async def became_ready() -> None:
+        while not all(pool.serving(name) for name in schedulers):
+            await asyncio.sleep(0.1)
+        await server.set_serving(True)
+        log.info("batcher SERVING: every model has an engine")
+
+    ready = asyncio.create_task(became_ready())
+
+    async def drain() -> None:
+        ready.cancel()
+        await asyncio.gather(*(s.drain() for s in schedulers.values()))
+
+    await server.run_until_signalled(drain, grace_s=10.0)
+    await pool.close()
+
+
+if __name__ == "__main__":
+    asyncio.run(main(parse_args()))

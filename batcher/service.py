@@ -1,0 +1,103 @@
+"""The batcher's gRPC face: one long-lived Submit stream per gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from batcher.scheduler import Deliver, ModelScheduler
+from services.proto.berth.v1 import internal_pb2, internal_pb2_grpc
+
+log = logging.getLogger("berth.batcher")
+
+# Results are sent in groups: whatever is ready when the writer wakes, up to
+# this many per message, so a busy stream sends few large messages.
+MAX_RESULTS_PER_MESSAGE = 512
+
+
+class BatcherService(internal_pb2_grpc.BatcherServicer):
+    """Multiplexes gateways' sequences into the per-model schedulers."""
+
+    def __init__(self, schedulers: dict[str, ModelScheduler]) -> None:
+        self.schedulers = schedulers
+
+    async def Models(
+        self,
+        request: internal_pb2.BatcherModelsRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> internal_pb2.BatcherModels:
+        return internal_pb2.BatcherModels(
+            models=[
+                internal_pb2.BatcherModel(
+                    name=name,
+                    state="closed",
+                    healthy_engines=len(s.pool.serving(name)),
+                )
+                for name, s in self.schedulers.items()
+            ]
+        )
+
+    async def Submit(
+        self,
+        request_iterator: AsyncIterator[internal_pb2.GatewayMessage],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[internal_pb2.BatcherMessage]:
+        out: asyncio.Queue[internal_pb2.SequenceResult | None] = asyncio.Queue()
+        # gateway's sequence id -> (scheduler, key in that scheduler)
+        queued: dict[int, tuple[ModelScheduler, int]] = {}
+
+        def deliver(result: internal_pb2.SequenceResult) -> None:
+            queued.pop(result.id, None)
+            out.put_nowait(result)
+
+        async def read() -> None:
+            try:
+                async for message in request_iterator:
+                    if message.HasField("sequence"):
+                        self._submit(message.sequence, deliver, queued)
+                    else:
+                        entry = queued.pop(message.cancel.id, None)
+                        if entry is not None:
+                            entry[0].cancel(entry[1])
+            finally:
+                # The gateway hung up: nobody is left to answer.
+                for scheduler, key in queued.values():
+                    scheduler.cancel(key)
+                out.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (first := await out.get()) is not None:
+                results = [first]
+                while not out.empty() and len(results) < MAX_RESULTS_PER_MESSAGE:
+                    item = out.get_nowait()
+                    if item is None:
+                        out.put_nowait(None)
+                        break
+                    results.append(item)
+                yield internal_pb2.BatcherMessage(results=results)
+        finally:
+            reader.cancel()
+
+    def _submit(
+        self,
+        seq: internal_pb2.Sequence,
+        deliver: Deliver,
+        queued: dict[int, tuple[ModelScheduler, int]],
+    ) -> None:
+        scheduler = self.schedulers.get(seq.model)
+        if scheduler is None:
+            deliver(
+                internal_pb2.SequenceResult(
+                    id=seq.id,
+                    code=grpc.StatusCode.NOT_FOUND.value[0],
+                    message=f"batcher does not serve model {seq.model!r}",
+                )
+            )
+            return
+        key = scheduler.submit(seq, deliver)
+        if key is not None and seq.id not in queued:
+            queued[seq.id] = (scheduler, key)

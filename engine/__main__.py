@@ -1,0 +1,60 @@
+"""``python -m engine``: one engine worker process (one per GPU)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from engine.backend import create_backend
+from engine.service import EngineService
+from services.config import DEFAULT_ENGINE_PORT, add_flag, repository_flag
+from services.logs import setup_logging
+from services.proto.berth.v1 import internal_pb2, internal_pb2_grpc
+from services.repository import load_repository
+from services.server import ServiceServer
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__)
+    add_flag(parser, "host", "127.0.0.1", "address to listen on")
+    add_flag(parser, "port", DEFAULT_ENGINE_PORT, "port to listen on")
+    add_flag(parser, "backend", "torch", "inference backend")
+    add_flag(parser, "device", "auto", "cpu, cuda, cuda:N or auto")
+    add_flag(parser, "models", "", "comma-separated models to serve (default: all)")
+    repository_flag(parser)
+    return parser.parse_args(argv)
+
+
+async def main(args: argparse.Namespace) -> None:
+    log = setup_logging("engine")
+    repository = load_repository(args.model_repository)
+    wanted = [m for m in args.models.split(",") if m] or list(repository)
+    models = {name: repository[name] for name in wanted}
+    server = ServiceServer(
+        "engine",
+        f"{args.host}:{args.port}",
+        [internal_pb2.DESCRIPTOR.services_by_name["Engine"].full_name],
+    )
+    backend = create_backend(args.backend, args.device)
+    service = EngineService(backend, models)
+    internal_pb2_grpc.add_EngineServicer_to_server(service, server.server)
+    await server.start()
+    for name, entry in models.items():
+        log.info(
+            "loading %s (%s) from %s on %s with %s",
+            name,
+            entry.task,
+            entry.checkpoint_dir,
+            backend.device,
+            backend.name,
+        )
+        await asyncio.to_thread(backend.load, entry)
+        shapes = [(1, length) for length in entry.buckets]
+        await asyncio.to_thread(backend.warmup, name, shapes)
+    await server.set_serving(True)
+    log.info("engine SERVING %s on %s", ", ".join(models), server.address)
+    await server.run_until_signalled(grace_s=10.0)
+
+
+if __name__ == "__main__":
+    asyncio.run(main(parse_args()))

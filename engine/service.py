@@ -1,0 +1,111 @@
+"""The engine's gRPC face: one long-lived stream per batcher, batches in order.
+
+Batches are decoded as soon as they arrive (so the next one is ready while
+the current one computes) and run one at a time on a single compute thread
+that owns the device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+
+from engine.backend import Backend
+from services.proto.berth.v1 import internal_pb2, internal_pb2_grpc
+from services.repository import ModelEntry
+
+log = logging.getLogger("berth.engine")
+
+
+class EngineService(internal_pb2_grpc.EngineServicer):
+    """Runs padded batches from the batcher through the backend."""
+
+    def __init__(self, backend: Backend, models: dict[str, ModelEntry]) -> None:
+        self.backend = backend
+        self.models = models
+        self._compute = ThreadPoolExecutor(1, thread_name_prefix="compute")
+        self.batches = 0
+        self.failures = 0
+
+    async def Info(
+        self, request: internal_pb2.EngineInfoRequest, context: grpc.aio.ServicerContext
+    ) -> internal_pb2.EngineInfo:
+        return internal_pb2.EngineInfo(
+            models=[
+                internal_pb2.EngineModel(
+                    name=name, task=entry.task, width=self.backend.width(name)
+                )
+                for name, entry in self.models.items()
+            ],
+            device=self.backend.device,
+            backend=self.backend.name,
+        )
+
+    async def Run(
+        self,
+        request_iterator: AsyncIterator[internal_pb2.EngineRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[internal_pb2.BatchResult]:
+        pending: asyncio.Queue[internal_pb2.Batch | None] = asyncio.Queue()
+        cancelled: set[int] = set()
+
+        async def read() -> None:
+            try:
+                async for request in request_iterator:
+                    if request.HasField("batch"):
+                        pending.put_nowait(request.batch)
+                    else:
+                        cancelled.add(request.cancel.id)
+            finally:
+                pending.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        loop = asyncio.get_running_loop()
+        try:
+            while (batch := await pending.get()) is not None:
+                if batch.id in cancelled:  # dropped before compute
+                    cancelled.discard(batch.id)
+                    continue
+                yield await loop.run_in_executor(self._compute, self.run_batch, batch)
+        finally:
+            reader.cancel()
+
+    def run_batch(self, batch: internal_pb2.Batch) -> internal_pb2.BatchResult:
+        """Compute one batch (on the compute thread); errors become a result."""
+        t0 = time.perf_counter()
+        try:
+            if batch.model not in self.models:
+                raise KeyError(f"engine does not serve model {batch.model!r}")
+            ids = np.frombuffer(batch.token_ids, dtype="<i4").reshape(
+                batch.batch_size, batch.length
+            )
+            lengths = np.frombuffer(batch.lengths, dtype="<i4")
+            t1 = time.perf_counter()
+            output = self.backend.run(batch.model, ids, lengths)
+            t2 = time.perf_counter()
+            data = np.ascontiguousarray(output, dtype="<f4").tobytes()
+            t3 = time.perf_counter()
+        except Exception as exc:  # one batch failed; the engine lives on
+            self.failures += 1
+            log.exception("batch %d of %s failed", batch.id, batch.model)
+            return internal_pb2.BatchResult(
+                id=batch.id,
+                code=grpc.StatusCode.INTERNAL.value[0],
+                message=f"engine failed on batch of {batch.model}: {exc}",
+            )
+        self.batches += 1
+        return internal_pb2.BatchResult(
+            id=batch.id,
+            output=data,
+            width=output.shape[1],
+            copy_in_us=int((t1 - t0) * 1e6),
+            compute_us=int((t2 - t1) * 1e6),
+            copy_out_us=int((t3 - t2) * 1e6),
+            gpu_utilization=-1.0,
+        )

@@ -1,0 +1,90 @@
+"""The gateway's one long-lived Submit stream to the batcher."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+import numpy as np
+
+from services.errors import from_code
+from services.proto.berth.v1 import internal_pb2, internal_pb2_grpc
+from services.streams import StreamClient
+
+log = logging.getLogger("berth.gateway")
+
+
+class BatcherClient(
+    StreamClient[
+        internal_pb2.GatewayMessage,
+        internal_pb2.BatcherMessage,
+        internal_pb2.SequenceResult,
+    ]
+):
+    """Sends tokenized sequences to the batcher and awaits their outputs."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(address)
+        self._stub = internal_pb2_grpc.BatcherStub(self.channel)
+        self._ids = itertools.count(1)
+        self.ready = asyncio.Event()
+
+    async def run(
+        self, model: str, ids: list[np.ndarray], timeout_ms: int
+    ) -> list[internal_pb2.SequenceResult]:
+        """Run every sequence through the model; raises the first failure."""
+        keys = [next(self._ids) for _ in ids]
+        futures = [
+            self.send(
+                key,
+                internal_pb2.GatewayMessage(
+                    sequence=internal_pb2.Sequence(
+                        id=key,
+                        model=model,
+                        token_ids=seq.astype("<i4", copy=False).tobytes(),
+                        timeout_ms=timeout_ms,
+                    )
+                ),
+            )
+            for key, seq in zip(keys, ids, strict=True)
+        ]
+        try:
+            results = await asyncio.gather(*futures)
+        except BaseException:
+            # The caller went away or one sequence failed: free the rest.
+            for key, future in zip(keys, futures, strict=True):
+                if not future.done():
+                    future.cancel()
+                    self.post(
+                        internal_pb2.GatewayMessage(cancel=internal_pb2.Cancel(id=key))
+                    )
+            raise
+        for result in results:
+            if result.code != 0:
+                raise from_code(result.code, result.message)
+        return results
+
+    async def models(self) -> internal_pb2.BatcherModels:
+        return await self._stub.Models(internal_pb2.BatcherModelsRequest(), timeout=5)
+
+    async def _handshake(self) -> None:
+        await self._stub.Models(internal_pb2.BatcherModelsRequest(), wait_for_ready=True)
+
+    def _open(self, requests: AsyncIterator[internal_pb2.GatewayMessage]) -> Any:
+        return self._stub.Submit(requests)
+
+    def _items(
+        self, message: internal_pb2.BatcherMessage
+    ) -> Iterable[tuple[int, internal_pb2.SequenceResult]]:
+        return ((r.id, r) for r in message.results)
+
+    def _connection_changed(self, connected: bool, reason: str) -> None:
+        if connected:
+            log.info("connected to batcher %s", self.address)
+            self.ready.set()
+        else:
+            log.warning("lost batcher %s: %s", self.address, reason)
+            self.ready.clear()

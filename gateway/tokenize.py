@@ -1,0 +1,91 @@
+"""Tokenization and input validation, run off the event loop.
+
+Every rejection is an InvalidInput whose message names the limit and the
+value, so a caller can fix the request without reading our code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from services.errors import InvalidInput
+from services.repository import ModelEntry
+
+# Characters allowed per token of the model's limit before tokenizing: no
+# text of real words comes near it, and a 50 MB string never reaches the
+# tokenizer.
+CHARS_PER_TOKEN = 32
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-call limits of the gateway (flags --max-texts, --max-chars)."""
+
+    max_texts: int = 256
+    chars_per_token: int = CHARS_PER_TOKEN
+
+
+class TextEncoder:
+    """One model's tokenizer, with berth's limits applied."""
+
+    def __init__(self, entry: ModelEntry, limits: Limits) -> None:
+        self.model = entry.name
+        self.max_tokens = entry.max_tokens
+        self.max_chars = entry.max_tokens * limits.chars_per_token
+        self.max_texts = limits.max_texts
+        self.tokenizer = Tokenizer.from_file(str(entry.tokenizer_file))
+        # We apply limits ourselves: the checkpoint's own truncation/padding
+        # (all-MiniLM ships truncation at 128, padding to 128) must not apply.
+        self.tokenizer.no_truncation()
+        self.tokenizer.no_padding()
+
+    def check_count(self, texts: list[str]) -> None:
+        if not texts:
+            raise InvalidInput("texts is empty: send at least 1 text")
+        if len(texts) > self.max_texts:
+            raise InvalidInput(
+                f"too many texts: {len(texts)} in one call, the limit is "
+                f"{self.max_texts} (gateway flag --max-texts)"
+            )
+
+    def encode(self, texts: list[str], truncate: bool) -> list[np.ndarray]:
+        """int32 token ids per text, [CLS] ... [SEP]; raises InvalidInput."""
+        self.check_count(texts)
+        prepared = []
+        for i, text in enumerate(texts):
+            if not text:
+                raise InvalidInput(f"texts[{i}] is empty: every text needs characters")
+            if len(text) > self.max_chars:
+                if not truncate:
+                    raise InvalidInput(
+                        f"texts[{i}] has {len(text)} characters, over the limit of "
+                        f"{self.max_chars} for model {self.model!r}; shorten it or "
+                        "set options.truncate"
+                    )
+                text = text[: self.max_chars]
+            prepared.append(text)
+        encodings = self.tokenizer.encode_batch(prepared, add_special_tokens=True)
+        out = []
+        for i, encoding in enumerate(encodings):
+            ids = np.asarray(encoding.ids, dtype=np.int32)
+            if len(ids) > self.max_tokens:
+                if not truncate:
+                    raise InvalidInput(
+                        f"texts[{i}] has {len(ids)} tokens, over the limit of "
+                        f"{self.max_tokens} for model {self.model!r}; shorten it or "
+                        "set options.truncate"
+                    )
+                # Keep the closing special token ([SEP] / </s>).
+                ids = np.concatenate([ids[: self.max_tokens - 1], ids[-1:]])
+            out.append(ids)
+        return out
+
+    def tokens(self, texts: list[str]) -> list[tuple[list[int], list[str]]]:
+        self.check_count(texts)
+        return [
+            (e.ids, e.tokens)
+            for e in self.tokenizer.encode_batch(texts, add_special_tokens=True)
+        ]

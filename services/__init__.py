@@ -1,0 +1,1 @@
+"""Shared plumbing for berth's services: config, servers, channels, errors."""

@@ -1,0 +1,291 @@
+"""The ``berth`` command: serve, call a running gateway, build models."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.channels import sync_channel
+from services.config import (
+    DEFAULT_BATCHER_PORT,
+    DEFAULT_ENGINE_PORT,
+    DEFAULT_GATEWAY_PORT,
+    DEFAULT_REPOSITORY,
+    add_flag,
+    repository_flag,
+)
+
+DEFAULT_ADDRESS = f"127.0.0.1:{DEFAULT_GATEWAY_PORT}"
+
+
+def _gpu_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except ImportError:
+        return 0
+
+
+# ---- berth serve ------------------------------------------------------------
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from services.logs import setup_logging
+    from services.supervisor import Child, Supervisor, python_module
+
+    log = setup_logging("serve")
+    repo = Path(args.model_repository)
+    if not (repo / "minilm" / "berth.json").exists() and args.build_models:
+        from services.default_models import build_default_repository
+
+        build_default_repository(repo)
+    gpus = _gpu_count()
+    engines = args.engines or max(1, gpus)
+    common = ["--model-repository", str(repo)]
+    children = []
+    engine_addresses = []
+    for i in range(engines):
+        port = args.engine_port + i
+        engine_addresses.append(f"{args.host}:{port}")
+        env = {}
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = str(i % gpus)
+        elif engines > 1:
+            # Share the CPU cores between engines instead of oversubscribing.
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // engines)))
+        children.append(
+            Child(
+                f"engine-{i}",
+                python_module(
+                    "engine",
+                    "--host", args.host,
+                    "--port", str(port),
+                    "--backend", args.backend,
+                    "--device", "cuda:0" if gpus else args.device,
+                    *common,
+                ),
+                env,
+            )
+        )
+    batcher = f"{args.host}:{args.batcher_port}"
+    children.append(
+        Child(
+            "batcher",
+            python_module(
+                "batcher",
+                "--host", args.host,
+                "--port", str(args.batcher_port),
+                "--engines", ",".join(engine_addresses),
+                *common,
+            ),
+        )
+    )
+    gateway = f"{args.host}:{args.port}"
+    children.append(
+        Child(
+            "gateway",
+            python_module(
+                "gateway",
+                "--host", args.host,
+                "--port", str(args.port),
+                "--batcher", batcher,
+                *common,
+            ),
+        )
+    )
+    supervisor = Supervisor(children)
+    supervisor.start()
+    log.info(
+        "starting %d engine(s) on %s, batcher on %s, gateway on %s",
+        engines,
+        "GPU" if gpus else args.device,
+        batcher,
+        gateway,
+    )
+    announced = False
+    while not supervisor.stopping:
+        if not announced and _health(gateway, timeout=1.0) == "SERVING":
+            print(
+                f"berth is serving on {gateway} "
+                f"(try: berth embed --model minilm 'hello world')",
+                flush=True,
+            )
+            announced = True
+        if announced:
+            supervisor.watch()
+        else:
+            time.sleep(0.5)
+    return supervisor.stop()
+
+
+# ---- client commands --------------------------------------------------------
+
+
+def _stub(address: str) -> Any:
+    from services.proto.berth.v1 import berth_pb2_grpc
+
+    return berth_pb2_grpc.BerthStub(sync_channel(address))
+
+
+def _options(args: argparse.Namespace) -> Any:
+    from services.proto.berth.v1 import berth_pb2
+
+    options = berth_pb2.Options(truncate=args.truncate)
+    if args.normalize is not None:
+        options.normalize = args.normalize
+    return options
+
+
+def cmd_embed(args: argparse.Namespace) -> int:
+    from services.proto.berth.v1 import berth_pb2
+
+    response = _stub(args.address).Embed(
+        berth_pb2.EmbedRequest(model=args.model, texts=args.texts, options=_options(args)),
+        timeout=args.timeout,
+    )
+    out = [{"embedding": list(e.values), "tokens": e.tokens} for e in response.embeddings]
+    _print(out, degraded=response.degraded)
+    return 0
+
+
+def cmd_classify(args: argparse.Namespace) -> int:
+    from services.proto.berth.v1 import berth_pb2
+
+    response = _stub(args.address).Classify(
+        berth_pb2.ClassifyRequest(
+            model=args.model, texts=args.texts, options=_options(args), top_k=args.top_k
+        ),
+        timeout=args.timeout,
+    )
+    out = []
+    for result in response.results:
+        item: dict[str, Any] = {
+            "label": result.labels[0].label,
+            "score": result.labels[0].score,
+        }
+        if args.top_k > 1:
+            item["top"] = [{"label": s.label, "score": s.score} for s in result.labels]
+        out.append(item)
+    _print(out, degraded=response.degraded)
+    return 0
+
+
+def _print(out: list[dict[str, Any]], degraded: bool) -> None:
+    if degraded:
+        print("warning: answered by the degraded CPU fallback", file=sys.stderr)
+    json.dump(out, sys.stdout)
+    sys.stdout.write("\n")
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from google.protobuf.json_format import MessageToDict
+
+    from services.proto.berth.v1 import berth_pb2
+
+    response = _stub(args.address).ModelInfo(berth_pb2.ModelInfoRequest(), timeout=args.timeout)
+    print(json.dumps(MessageToDict(response)["models"], indent=2))
+    return 0
+
+
+def _health(address: str, service: str = "", timeout: float = 5.0) -> str:
+    stub = health_pb2_grpc.HealthStub(sync_channel(address))
+    try:
+        response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+    except grpc.RpcError as exc:
+        return f"UNREACHABLE ({exc.code().name})"  # type: ignore[attr-defined]
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    status = _health(args.address, args.service, args.timeout)
+    print(status)
+    return 0 if status == "SERVING" else 1
+
+
+def cmd_build_models(args: argparse.Namespace) -> int:
+    from services.default_models import build_default_repository
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for path in build_default_repository(Path(args.model_repository), force=args.force):
+        print(path)
+    return 0
+
+
+# ---- argument parsing -------------------------------------------------------
+
+
+def _client_flags(parser: argparse.ArgumentParser) -> None:
+    add_flag(parser, "address", DEFAULT_ADDRESS, "gateway address")
+    parser.add_argument("--timeout", type=float, default=30.0, help="seconds to wait")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="berth", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="start gateway, batcher and engines")
+    serve.add_argument("--engines", type=int, default=0, help="engine workers (default: one per GPU, else 1)")
+    add_flag(serve, "host", "127.0.0.1", "address every service listens on")
+    add_flag(serve, "port", DEFAULT_GATEWAY_PORT, "gateway port")
+    add_flag(serve, "batcher-port", DEFAULT_BATCHER_PORT, "batcher port")
+    add_flag(serve, "engine-port", DEFAULT_ENGINE_PORT, "first engine port")
+    add_flag(serve, "backend", "torch", "engine backend")
+    add_flag(serve, "device", "auto", "engine device when there is no GPU")
+    add_flag(serve, "build-models", True, "build the default models if missing")
+    repository_flag(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    for name, func, default_model in (
+        ("embed", cmd_embed, "minilm"),
+        ("classify", cmd_classify, "intent"),
+    ):
+        p = sub.add_parser(name, help=f"{name} texts through a running gateway")
+        p.add_argument("texts", nargs="+", metavar="TEXT")
+        p.add_argument("--model", default=default_model)
+        p.add_argument("--truncate", action="store_true", help="cut texts over the limit")
+        p.add_argument(
+            "--normalize", action=argparse.BooleanOptionalAction, default=None
+        )
+        if name == "classify":
+            p.add_argument("--top-k", type=int, default=1)
+        _client_flags(p)
+        p.set_defaults(func=func)
+
+    models = sub.add_parser("models", help="list the models a gateway serves")
+    _client_flags(models)
+    models.set_defaults(func=cmd_models)
+
+    health = sub.add_parser("health", help="grpc.health.v1 status of a service")
+    health.add_argument("--service", default="", help="service name ('' = overall)")
+    _client_flags(health)
+    health.set_defaults(func=cmd_health)
+
+    build = sub.add_parser("build-models", help="build the default model repository")
+    build.add_argument("--force", action="store_true")
+    repository_flag(build)
+    build.set_defaults(func=cmd_build_models)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        code: int = args.func(args)
+    except grpc.RpcError as exc:
+        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+        return 1
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

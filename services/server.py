@@ -1,0 +1,84 @@
+"""Asyncio gRPC server bootstrap shared by gateway, batcher and engine.
+
+Every service gets the stock ``grpc.health.v1`` servicer, server reflection,
+and a SIGTERM/SIGINT drain: report NOT_SERVING, let the service finish what
+it holds, then stop the server with a grace period for in-flight calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.channels import SERVER_OPTIONS
+
+log = logging.getLogger("berth.server")
+
+OVERALL = ""  # the health service name that stands for the whole server
+
+
+class ServiceServer:
+    """One gRPC server with health, reflection and graceful drain."""
+
+    def __init__(self, name: str, address: str, service_names: Iterable[str]) -> None:
+        self.name = name
+        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.service_names = list(service_names)
+        reflection.enable_server_reflection(
+            [
+                *self.service_names,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ],
+            self.server,
+        )
+        self.port = self.server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"{name}: cannot listen on {address} (port in use?)")
+        self.address = f"{address.rsplit(':', 1)[0]}:{self.port}"
+        self._stop = asyncio.Event()
+
+    async def start(self) -> None:
+        await self.set_serving(False)
+        await self.server.start()
+        log.info("%s listening on %s", self.name, self.address)
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for service in (OVERALL, *self.service_names):
+            await self.health.set(service, status)
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def run_until_signalled(
+        self,
+        drain: Callable[[], Awaitable[None]] | None = None,
+        grace_s: float = 10.0,
+    ) -> None:
+        """Serve until SIGTERM/SIGINT (or request_stop), then drain and stop."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        await self._stop.wait()
+        log.info("%s draining: NOT_SERVING, finishing in-flight work", self.name)
+        await self.health.enter_graceful_shutdown()
+        if drain is not None:
+            try:
+                await asyncio.wait_for(drain(), grace_s)
+            except TimeoutError:
+                log.warning("%s: drain did not finish within %.0f s", self.name, grace_s)
+        await self.server.stop(grace_s)
+        log.info("%s stopped", self.name)

@@ -1,0 +1,133 @@
+"""Long-lived bidirectional streams multiplexed by id, reconnected on loss.
+
+Both internal hops (gateway -> batcher, batcher -> engine) are one stream per
+peer carrying many independent items. A :class:`StreamClient` keeps that
+stream up, maps each answer to the future of the item it answers, and fails
+every pending future with UNAVAILABLE when the stream breaks, so no caller
+waits forever on a dead peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Iterable
+from typing import Any, Generic, TypeVar
+
+import grpc
+
+from services.channels import aio_channel
+from services.errors import Unavailable
+
+log = logging.getLogger("berth.streams")
+
+Out = TypeVar("Out")  # what we send on the stream
+In = TypeVar("In")  # what the peer sends back
+Item = TypeVar("Item")  # one answer inside an In message
+
+RECONNECT_DELAY_S = 0.2
+
+
+class StreamClient(Generic[Out, In, Item]):
+    """One peer: a bidi stream whose answers resolve futures by id."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = aio_channel(address)
+        self._pending: dict[int, asyncio.Future[Item]] = {}
+        self._outbox: asyncio.Queue[Out] | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    # ---- hooks for subclasses ----------------------------------------------
+
+    async def _handshake(self) -> None:
+        """Runs before each stream opens; waits for the peer to be up."""
+
+    def _open(self, requests: AsyncIterator[Out]) -> Any:
+        """Open the stream (a grpc.aio stream-stream call)."""
+        raise NotImplementedError
+
+    def _items(self, message: In) -> Iterable[tuple[int, Item]]:
+        """The (id, answer) pairs inside one message from the peer."""
+        raise NotImplementedError
+
+    def _connection_changed(self, connected: bool, reason: str) -> None:
+        """Called after the stream comes up or goes down."""
+
+    # ---- public ------------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        return self._outbox is not None
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._connect_forever())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._fail_pending("client closed")
+        await self.channel.close()
+
+    def send(self, key: int, message: Out) -> asyncio.Future[Item]:
+        """Send one item; the future resolves with its answer."""
+        if self._outbox is None:
+            raise Unavailable(f"{self.address} is not connected")
+        future: asyncio.Future[Item] = asyncio.get_running_loop().create_future()
+        self._pending[key] = future
+        future.add_done_callback(lambda _: self._pending.pop(key, None))
+        self._outbox.put_nowait(message)
+        return future
+
+    def post(self, message: Out) -> None:
+        """Send a message that gets no answer (a cancel)."""
+        if self._outbox is not None:
+            self._outbox.put_nowait(message)
+
+    # ---- the connection ----------------------------------------------------
+
+    async def _connect_forever(self) -> None:
+        while True:
+            try:
+                await self._serve_stream()
+                reason = "stream ended"
+            except grpc.aio.AioRpcError as exc:
+                reason = f"{exc.code().name}: {exc.details()}"
+            was_connected = self._outbox is not None
+            self._outbox = None
+            self._fail_pending(reason)
+            if was_connected:
+                self._connection_changed(False, reason)
+            await asyncio.sleep(RECONNECT_DELAY_S)
+
+    async def _serve_stream(self) -> None:
+        await self._handshake()
+        outbox: asyncio.Queue[Out] = asyncio.Queue()
+        call = self._open(_drain(outbox))
+        self._outbox = outbox
+        self._connection_changed(True, "")
+        async for message in call:
+            for key, item in self._items(message):
+                future = self._pending.get(key)
+                if future is not None and not future.done():
+                    future.set_result(item)
+
+    def _fail_pending(self, reason: str) -> None:
+        pending, self._pending = self._pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(
+                    Unavailable(f"lost {self.address} with work in flight: {reason}")
+                )
+
+
+async def _drain(queue: asyncio.Queue[Out]) -> AsyncIterator[Out]:
+    while True:
+        yield await queue.get()

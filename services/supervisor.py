@@ -1,0 +1,122 @@
+"""``berth serve``: engines, batcher and gateway as supervised processes.
+
+Start order is engines -> batcher -> gateway; stop order the reverse of
+that: the gateway drains first so no new work enters, then the batcher
+flushes its queues, then the engines go. A child that dies on its own is
+restarted (engines are the usual case: a crashed GPU worker).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+log = logging.getLogger("berth.serve")
+
+RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
+STOP_TIMEOUT_S = 30.0
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM if berth serve itself dies (Linux)."""
+    os.setsid()  # own process group: a terminal's Ctrl-C reaches us only
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@dataclass
+class Child:
+    """One supervised process."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    started_at: float = 0.0
+
+    def start(self) -> None:
+        env = {**os.environ, **self.env}
+        self.proc = subprocess.Popen(self.argv, env=env, preexec_fn=_die_with_parent)
+        self.started_at = time.monotonic()
+        log.info("started %s (pid %d): %s", self.name, self.proc.pid, " ".join(self.argv))
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def wait(self, timeout: float) -> int | None:
+        if self.proc is None:
+            return 0
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not stop in %.0f s: killing it", self.name, timeout)
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def python_module(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", module, *args]
+
+
+class Supervisor:
+    """Starts children in order, restarts the ones that die, stops in reverse."""
+
+    def __init__(self, children: list[Child]) -> None:
+        self.children = children
+        self._stopping = False
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        log.info("received %s: stopping berth", signal.Signals(signum).name)
+        self._stopping = True
+
+    def start(self) -> None:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        for child in self.children:
+            child.start()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def watch(self, poll_s: float = 0.2) -> None:
+        """Restart children that die, until asked to stop."""
+        while not self._stopping:
+            for child in self.children:
+                assert child.proc is not None
+                code = child.proc.poll()
+                if code is None or self._stopping:
+                    continue
+                backoff = RESTART_BACKOFF_S[min(child.restarts, len(RESTART_BACKOFF_S) - 1)]
+                if time.monotonic() - child.started_at > 60:
+                    child.restarts = 0  # it ran a while: a fresh failure
+                    backoff = RESTART_BACKOFF_S[0]
+                log.error(
+                    "%s exited with code %s; restarting in %.1f s", child.name, code, backoff
+                )
+                time.sleep(backoff)
+                child.restarts += 1
+                child.start()
+            time.sleep(poll_s)
+
+    def stop(self) -> int:
+        """Stop in reverse start order; returns the worst exit code."""
+        worst = 0
+        for child in reversed(self.children):
+            child.stop()
+            code = child.wait(STOP_TIMEOUT_S)
+            log.info("%s stopped (exit code %s)", child.name, code)
+            if code not in (0, -signal.SIGTERM, None):
+                worst = max(worst, abs(code))
+        return worst

@@ -1,0 +1,44 @@
+"""Shared fixtures: the default model repository and a running stack."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.proto.berth.v1 import berth_pb2_grpc
+from tests.stack import Stack
+
+
+@pytest.fixture(scope="session")
+def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model repository: the one `make` built, else a fresh one."""
+    configured = os.environ.get("BERTH_MODEL_REPOSITORY")
+    if configured and (Path(configured) / "minilm" / "berth.json").exists():
+        return Path(configured)
+    from services.default_models import build_default_repository
+
+    root = tmp_path_factory.mktemp("model_repository")
+    build_default_repository(root)
+    return root
+
+
+@pytest.fixture(scope="session")
+def stack(repository: Path) -> Iterator[Stack]:
+    """`berth serve` with the default models, shared by the e2e tests."""
+    s = Stack(repository)
+    try:
+        s.wait_serving()
+        yield s
+    finally:
+        code = s.stop()
+        assert code == 0, f"berth serve exited with {code}:\n{s.logs()}"
+
+
+@pytest.fixture(scope="session")
+def client(stack: Stack) -> Iterator[berth_pb2_grpc.BerthStub]:
+    with grpc.insecure_channel(stack.gateway) as channel:
+        yield berth_pb2_grpc.BerthStub(channel)

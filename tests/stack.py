@@ -1,0 +1,114 @@
+"""Start a real `berth serve` stack on free loopback ports, for tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct ports that were free a moment ago."""
+    sockets = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        sockets.append(s)
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def health(address: str, service: str = "") -> str:
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+        except grpc.RpcError:
+            return "UNREACHABLE"
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+class Stack:
+    """A `berth serve` process tree and its addresses."""
+
+    def __init__(
+        self, repository: Path, engines: int = 1, env: dict[str, str] | None = None
+    ) -> None:
+        gateway, batcher, *engine_ports = free_ports(2 + engines)
+        # Engine ports are consecutive from --engine-port: find a free run.
+        base = _free_run(engines)
+        self.gateway = f"127.0.0.1:{gateway}"
+        self.batcher = f"127.0.0.1:{batcher}"
+        self.engines = [f"127.0.0.1:{base + i}" for i in range(engines)]
+        self.log_path = Path(os.environ.get("BERTH_TEST_LOGS", "/tmp")) / (
+            f"berth-stack-{gateway}.log"
+        )
+        self._log = self.log_path.open("wb")
+        argv = [
+            sys.executable, "-m", "services.cli", "serve",
+            "--engines", str(engines),
+            "--port", str(gateway),
+            "--batcher-port", str(batcher),
+            "--engine-port", str(base),
+            "--model-repository", str(repository),
+        ]
+        self.proc = subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            env={**os.environ, "BERTH_LOG_LEVEL": "INFO", **(env or {})},
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def wait_serving(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"berth serve exited early:\n{self.logs()}")
+            if health(self.gateway) == "SERVING":
+                return
+            time.sleep(0.25)
+        raise TimeoutError(f"gateway not SERVING after {timeout} s:\n{self.logs()}")
+
+    def logs(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-20000:]
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+def _free_run(n: int) -> int:
+    """A port p such that p .. p+n-1 are all free."""
+    for _ in range(100):
+        (p,) = free_ports(1)
+        ok = True
+        for q in range(p, p + n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", q))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return p
+    raise RuntimeError("no run of free ports")
