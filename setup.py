@@ -33,7 +33,11 @@ def extensions() -> list[Extension]:
     from Cython.Build import cythonize
 
     return cythonize(
-        [Extension("batcher._core_c", ["batcher/_core_c.pyx"], extra_compile_args=["-O3"])],
+        [
+            Extension(
+                "batcher._core_c", ["batcher/_core_c.pyx"], extra_compile_args=["-O3"]
+            )
+        ],
         compiler_directives={"language_level": "3"},
         quiet=True,
     )

@@ -25,6 +25,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_flag(parser, "max-delay-ms", 5.0, "max wait for a batch to fill")
     add_flag(parser, "queue-capacity", 4096, "max sequences queued per model")
     add_flag(parser, "max-batch", 256, "max rows per batch")
+    add_flag(
+        parser, "drain-timeout-s", 30.0, "on SIGTERM, how long in-flight work may take"
+    )
     repository_flag(parser)
     return parser.parse_args(argv)
 
@@ -47,7 +50,9 @@ async def main(args: argparse.Namespace) -> None:
         f"{args.host}:{args.port}",
         [internal_pb2.DESCRIPTOR.services_by_name["Batcher"].full_name],
     )
-    internal_pb2_grpc.add_BatcherServicer_to_server(BatcherService(schedulers), server.server)
+    internal_pb2_grpc.add_BatcherServicer_to_server(
+        BatcherService(schedulers), server.server
+    )
     await server.start()
     log.info(
         "batcher core: %s; models %s; buckets %s; engines %s",
@@ -72,7 +77,7 @@ async def main(args: argparse.Namespace) -> None:
         ready.cancel()
         await asyncio.gather(*(s.drain() for s in schedulers.values()))
 
-    await server.run_until_signalled(drain, grace_s=10.0)
+    await server.run_until_signalled(drain, grace_s=args.drain_timeout_s)
     await pool.close()
 
 

@@ -13,8 +13,11 @@ from services.streams import StreamClient
 
 log = logging.getLogger("berth.batcher")
 
+
 class EngineClient(
-    StreamClient[internal_pb2.EngineRequest, internal_pb2.BatchResult, internal_pb2.BatchResult]
+    StreamClient[
+        internal_pb2.EngineRequest, internal_pb2.BatchResult, internal_pb2.BatchResult
+    ]
 ):
     """One engine: a Run stream multiplexed by batch id, reconnected on loss."""
 
@@ -40,10 +43,14 @@ class EngineClient(
             self.in_flight -= 1
 
     def cancel(self, batch_id: int) -> None:
-        self.post(internal_pb2.EngineRequest(cancel=internal_pb2.CancelBatch(id=batch_id)))
+        self.post(
+            internal_pb2.EngineRequest(cancel=internal_pb2.CancelBatch(id=batch_id))
+        )
 
     async def _handshake(self) -> None:
-        info = await self._stub.Info(internal_pb2.EngineInfoRequest(), wait_for_ready=True)
+        info = await self._stub.Info(
+            internal_pb2.EngineInfoRequest(), wait_for_ready=True
+        )
         self.models = {m.name for m in info.models}
         self.device = f"{info.device} ({info.backend})"
 
@@ -95,7 +102,9 @@ class EnginePool:
     def serving(self, model: str) -> list[EngineClient]:
         return [e for e in self.engines if e.healthy and model in e.models]
 
-    def pick(self, model: str, exclude: EngineClient | None = None) -> EngineClient | None:
+    def pick(
+        self, model: str, exclude: EngineClient | None = None
+    ) -> EngineClient | None:
         """The least-busy healthy engine with a free slot, or None."""
         start = next(self._rr)
         candidates = [

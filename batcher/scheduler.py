@@ -8,6 +8,7 @@ out. Results are split per sequence and handed back to whoever submitted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import math
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from batcher.core import REASON_CANCELLED, BucketCore, QueueFull
+from batcher.core import REASON_CANCELLED, Batch, BucketCore, QueueFull
 from batcher.engines import EngineClient, EnginePool
 from services.errors import BerthError, EngineFailure
 from services.proto.berth.v1 import internal_pb2
@@ -48,14 +49,18 @@ class Waiter:
     enqueued_at: float
 
 
-def _error(reply_id: int, code: grpc.StatusCode, message: str) -> internal_pb2.SequenceResult:
+def _error(
+    reply_id: int, code: grpc.StatusCode, message: str
+) -> internal_pb2.SequenceResult:
     return internal_pb2.SequenceResult(id=reply_id, code=code.value[0], message=message)
 
 
 class ModelScheduler:
     """Owns one model's queues and sends its batches to engines."""
 
-    def __init__(self, entry: ModelEntry, pool: EnginePool, config: SchedulerConfig) -> None:
+    def __init__(
+        self, entry: ModelEntry, pool: EnginePool, config: SchedulerConfig
+    ) -> None:
         self.name = entry.name
         self.entry = entry
         self.pool = pool
@@ -147,10 +152,8 @@ class ModelScheduler:
             if engine is not None and len(self.core):
                 timeout = max(0.0, self.core.next_deadline() - time.monotonic())
             self._wake.clear()
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
-            except TimeoutError:
-                pass
 
     def _report_dropped(self) -> None:
         for key, reason in self.core.take_dropped():
@@ -158,7 +161,9 @@ class ModelScheduler:
             if waiter is None:
                 continue
             if reason == REASON_CANCELLED:
-                waiter.deliver(_error(waiter.reply_id, grpc.StatusCode.CANCELLED, "cancelled"))
+                waiter.deliver(
+                    _error(waiter.reply_id, grpc.StatusCode.CANCELLED, "cancelled")
+                )
             else:
                 waiter.deliver(
                     _error(
@@ -168,17 +173,17 @@ class ModelScheduler:
                     )
                 )
 
-    def _dispatch(self, engine: EngineClient, batch: object) -> None:
-        keys = [int(k) for k in batch.ids]  # type: ignore[attr-defined]
+    def _dispatch(self, engine: EngineClient, batch: Batch) -> None:
+        keys = [int(k) for k in batch.ids]
         message = internal_pb2.Batch(
             id=next(self._batch_ids),
             model=self.name,
-            batch_size=batch.size,  # type: ignore[attr-defined]
-            length=batch.length,  # type: ignore[attr-defined]
-            token_ids=bytes(batch.tokens),  # type: ignore[attr-defined]
-            lengths=bytes(batch.lengths),  # type: ignore[attr-defined]
+            batch_size=batch.size,
+            length=batch.length,
+            token_ids=bytes(batch.tokens),
+            lengths=bytes(batch.lengths),
         )
-        task = asyncio.create_task(self._run(engine, message, keys, batch.bucket))  # type: ignore[attr-defined]
+        task = asyncio.create_task(self._run(engine, message, keys, batch.bucket))
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
 
@@ -201,7 +206,9 @@ class ModelScheduler:
         finally:
             self.pool.completed()
         inference_us = int((time.monotonic() - started) * 1e6)
-        outputs = np.frombuffer(result.output, dtype="<f4").reshape(len(keys), result.width)
+        outputs = np.frombuffer(result.output, dtype="<f4").reshape(
+            len(keys), result.width
+        )
         for row, key in enumerate(keys):
             waiter = self.waiters.pop(key, None)
             if waiter is None:  # cancelled while computing

@@ -21,6 +21,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_flag(parser, "backend", "torch", "inference backend")
     add_flag(parser, "device", "auto", "cpu, cuda, cuda:N or auto")
     add_flag(parser, "models", "", "comma-separated models to serve (default: all)")
+    add_flag(
+        parser, "drain-timeout-s", 30.0, "on SIGTERM, how long in-flight work may take"
+    )
     repository_flag(parser)
     return parser.parse_args(argv)
 
@@ -51,9 +54,10 @@ async def main(args: argparse.Namespace) -> None:
         await asyncio.to_thread(backend.load, entry)
         shapes = [(1, length) for length in entry.buckets]
         await asyncio.to_thread(backend.warmup, name, shapes)
+    service.ready = True
     await server.set_serving(True)
     log.info("engine SERVING %s on %s", ", ".join(models), server.address)
-    await server.run_until_signalled(grace_s=10.0)
+    await server.run_until_signalled(grace_s=args.drain_timeout_s)
 
 
 if __name__ == "__main__":

@@ -32,10 +32,13 @@ class EngineService(internal_pb2_grpc.EngineServicer):
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="compute")
         self.batches = 0
         self.failures = 0
+        self.ready = False  # set once every model is loaded and warmed up
 
     async def Info(
         self, request: internal_pb2.EngineInfoRequest, context: grpc.aio.ServicerContext
     ) -> internal_pb2.EngineInfo:
+        if not self.ready:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is loading models")
         return internal_pb2.EngineInfo(
             models=[
                 internal_pb2.EngineModel(

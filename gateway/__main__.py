@@ -33,6 +33,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_flag(parser, "batcher", f"127.0.0.1:{DEFAULT_BATCHER_PORT}", "batcher address")
     add_flag(parser, "max-texts", 256, "most texts in one call")
     add_flag(parser, "max-in-flight", 1024, "requests in flight before shedding")
+    add_flag(
+        parser, "drain-timeout-s", 30.0, "on SIGTERM, how long in-flight work may take"
+    )
     repository_flag(parser)
     return parser.parse_args(argv)
 
@@ -52,14 +55,17 @@ async def probe(gateway: Gateway) -> None:
 
 async def watch_health(server: ServiceServer, gateway: Gateway) -> None:
     """SERVING once every model answered; then follow the batcher's state."""
+    last = ""
     while True:
         try:
             await gateway.batcher.ready.wait()
             await probe(gateway)
             break
         except BerthError as exc:
-            log.info("waiting for models to answer: %s", exc)
-            await asyncio.sleep(0.5)
+            if str(exc) != last:
+                log.info("waiting for models to answer: %s", exc)
+                last = str(exc)
+            await asyncio.sleep(0.2)
     await server.set_serving(True)
     log.info("gateway SERVING on %s: every model answers", server.address)
     serving = True
@@ -95,7 +101,9 @@ async def main(args: argparse.Namespace) -> None:
     await server.start()
     log.info(
         "gateway models: %s; batcher %s",
-        ", ".join(f"{n} ({e.task}, max {e.max_tokens} tokens)" for n, e in repository.items()),
+        ", ".join(
+            f"{n} ({e.task}, max {e.max_tokens} tokens)" for n, e in repository.items()
+        ),
         args.batcher,
     )
     batcher.start()
@@ -104,7 +112,7 @@ async def main(args: argparse.Namespace) -> None:
     async def drain() -> None:
         health.cancel()
 
-    await server.run_until_signalled(drain, grace_s=10.0)
+    await server.run_until_signalled(drain, grace_s=args.drain_timeout_s)
     await batcher.close()
 
 

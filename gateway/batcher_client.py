@@ -71,7 +71,9 @@ class BatcherClient(
         return await self._stub.Models(internal_pb2.BatcherModelsRequest(), timeout=5)
 
     async def _handshake(self) -> None:
-        await self._stub.Models(internal_pb2.BatcherModelsRequest(), wait_for_ready=True)
+        await self._stub.Models(
+            internal_pb2.BatcherModelsRequest(), wait_for_ready=True
+        )
 
     def _open(self, requests: AsyncIterator[internal_pb2.GatewayMessage]) -> Any:
         return self._stub.Submit(requests)

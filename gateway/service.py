@@ -243,7 +243,9 @@ class BerthService(berth_pb2_grpc.BerthServicer):
             inner = request.embed if kind == "embed" else request.classify
             try:
                 if kind == "embed":
-                    e = await self.gateway.embed(request.embed, context.time_remaining())
+                    e = await self.gateway.embed(
+                        request.embed, context.time_remaining()
+                    )
                     out.put_nowait(berth_pb2.StreamResponse(embed=e))
                 elif kind == "classify":
                     c = await self.gateway.classify(

@@ -19,7 +19,6 @@ from services.config import (
     DEFAULT_BATCHER_PORT,
     DEFAULT_ENGINE_PORT,
     DEFAULT_GATEWAY_PORT,
-    DEFAULT_REPOSITORY,
     add_flag,
     repository_flag,
 )
@@ -62,16 +61,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
             env["CUDA_VISIBLE_DEVICES"] = str(i % gpus)
         elif engines > 1:
             # Share the CPU cores between engines instead of oversubscribing.
-            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // engines)))
+            env["BERTH_TORCH_THREADS"] = str(max(1, (os.cpu_count() or 1) // engines))
         children.append(
             Child(
                 f"engine-{i}",
                 python_module(
                     "engine",
-                    "--host", args.host,
-                    "--port", str(port),
-                    "--backend", args.backend,
-                    "--device", "cuda:0" if gpus else args.device,
+                    "--host",
+                    args.host,
+                    "--port",
+                    str(port),
+                    "--backend",
+                    args.backend,
+                    "--device",
+                    "cuda:0" if gpus else args.device,
                     *common,
                 ),
                 env,
@@ -83,9 +86,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "batcher",
             python_module(
                 "batcher",
-                "--host", args.host,
-                "--port", str(args.batcher_port),
-                "--engines", ",".join(engine_addresses),
+                "--host",
+                args.host,
+                "--port",
+                str(args.batcher_port),
+                "--engines",
+                ",".join(engine_addresses),
                 *common,
             ),
         )
@@ -96,9 +102,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "gateway",
             python_module(
                 "gateway",
-                "--host", args.host,
-                "--port", str(args.port),
-                "--batcher", batcher,
+                "--host",
+                args.host,
+                "--port",
+                str(args.port),
+                "--batcher",
+                batcher,
                 *common,
             ),
         )
@@ -150,10 +159,14 @@ def cmd_embed(args: argparse.Namespace) -> int:
     from services.proto.berth.v1 import berth_pb2
 
     response = _stub(args.address).Embed(
-        berth_pb2.EmbedRequest(model=args.model, texts=args.texts, options=_options(args)),
+        berth_pb2.EmbedRequest(
+            model=args.model, texts=args.texts, options=_options(args)
+        ),
         timeout=args.timeout,
     )
-    out = [{"embedding": list(e.values), "tokens": e.tokens} for e in response.embeddings]
+    out = [
+        {"embedding": list(e.values), "tokens": e.tokens} for e in response.embeddings
+    ]
     _print(out, degraded=response.degraded)
     return 0
 
@@ -192,7 +205,9 @@ def cmd_models(args: argparse.Namespace) -> int:
 
     from services.proto.berth.v1 import berth_pb2
 
-    response = _stub(args.address).ModelInfo(berth_pb2.ModelInfoRequest(), timeout=args.timeout)
+    response = _stub(args.address).ModelInfo(
+        berth_pb2.ModelInfoRequest(), timeout=args.timeout
+    )
     print(json.dumps(MessageToDict(response)["models"], indent=2))
     return 0
 
@@ -200,9 +215,11 @@ def cmd_models(args: argparse.Namespace) -> int:
 def _health(address: str, service: str = "", timeout: float = 5.0) -> str:
     stub = health_pb2_grpc.HealthStub(sync_channel(address))
     try:
-        response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        response = stub.Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout
+        )
     except grpc.RpcError as exc:
-        return f"UNREACHABLE ({exc.code().name})"  # type: ignore[attr-defined]
+        return f"UNREACHABLE ({exc.code().name})"
     return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
 
@@ -234,7 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="start gateway, batcher and engines")
-    serve.add_argument("--engines", type=int, default=0, help="engine workers (default: one per GPU, else 1)")
+    serve.add_argument(
+        "--engines",
+        type=int,
+        default=0,
+        help="engine workers (default: one per GPU, else 1)",
+    )
     add_flag(serve, "host", "127.0.0.1", "address every service listens on")
     add_flag(serve, "port", DEFAULT_GATEWAY_PORT, "gateway port")
     add_flag(serve, "batcher-port", DEFAULT_BATCHER_PORT, "batcher port")
@@ -252,7 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=f"{name} texts through a running gateway")
         p.add_argument("texts", nargs="+", metavar="TEXT")
         p.add_argument("--model", default=default_model)
-        p.add_argument("--truncate", action="store_true", help="cut texts over the limit")
+        p.add_argument(
+            "--truncate", action="store_true", help="cut texts over the limit"
+        )
         p.add_argument(
             "--normalize", action=argparse.BooleanOptionalAction, default=None
         )
@@ -282,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code: int = args.func(args)
     except grpc.RpcError as exc:
-        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
     return code
 

@@ -33,7 +33,9 @@ def generate(proto_root: Path, out_root: Path) -> list[Path]:
         f"--pyi_out={base}",
         f"--grpc_python_out={base}",
     ]
-    sources = [f"{PACKAGE}/{p.relative_to(proto_root)}" for p in proto_files(proto_root)]
+    sources = [
+        f"{PACKAGE}/{p.relative_to(proto_root)}" for p in proto_files(proto_root)
+    ]
     if protoc.main(args + sources) != 0:
         raise RuntimeError(f"protoc failed on {proto_root}")
     written = []

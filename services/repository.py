@@ -99,7 +99,9 @@ def load_entry(entry_dir: Path) -> ModelEntry:
     if entry.task == "classify" and (entry.head is None or entry.labels is None):
         raise RepositoryError(f"{config_file}: a classify model needs head and labels")
     if not entry.tokenizer_file.is_file():
-        raise RepositoryError(f"{config_file}: no tokenizer.json in {entry.checkpoint_dir}")
+        raise RepositoryError(
+            f"{config_file}: no tokenizer.json in {entry.checkpoint_dir}"
+        )
     # The effective limit: our cap, the entry's own, the position embeddings.
     entry.max_tokens = min(
         MAX_TOKENS_CAP, entry.max_tokens, position_limit(entry.checkpoint_dir)

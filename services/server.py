@@ -79,6 +79,8 @@ class ServiceServer:
             try:
                 await asyncio.wait_for(drain(), grace_s)
             except TimeoutError:
-                log.warning("%s: drain did not finish within %.0f s", self.name, grace_s)
+                log.warning(
+                    "%s: drain did not finish within %.0f s", self.name, grace_s
+                )
         await self.server.stop(grace_s)
         log.info("%s stopped", self.name)

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 log = logging.getLogger("berth.serve")
 
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
-STOP_TIMEOUT_S = 30.0
+# Past each service's own drain timeout (30 s by default), so drains finish.
+STOP_TIMEOUT_S = 45.0
 
 
 def _die_with_parent() -> None:
@@ -48,7 +49,9 @@ class Child:
         env = {**os.environ, **self.env}
         self.proc = subprocess.Popen(self.argv, env=env, preexec_fn=_die_with_parent)
         self.started_at = time.monotonic()
-        log.info("started %s (pid %d): %s", self.name, self.proc.pid, " ".join(self.argv))
+        log.info(
+            "started %s (pid %d): %s", self.name, self.proc.pid, " ".join(self.argv)
+        )
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -98,12 +101,17 @@ class Supervisor:
                 code = child.proc.poll()
                 if code is None or self._stopping:
                     continue
-                backoff = RESTART_BACKOFF_S[min(child.restarts, len(RESTART_BACKOFF_S) - 1)]
+                backoff = RESTART_BACKOFF_S[
+                    min(child.restarts, len(RESTART_BACKOFF_S) - 1)
+                ]
                 if time.monotonic() - child.started_at > 60:
                     child.restarts = 0  # it ran a while: a fresh failure
                     backoff = RESTART_BACKOFF_S[0]
                 log.error(
-                    "%s exited with code %s; restarting in %.1f s", child.name, code, backoff
+                    "%s exited with code %s; restarting in %.1f s",
+                    child.name,
+                    code,
+                    backoff,
                 )
                 time.sleep(backoff)
                 child.restarts += 1

@@ -33,7 +33,9 @@ def health(address: str, service: str = "") -> str:
     with grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
-            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+            reply = stub.Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=2
+            )
         except grpc.RpcError:
             return "UNREACHABLE"
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
@@ -56,12 +58,20 @@ class Stack:
         )
         self._log = self.log_path.open("wb")
         argv = [
-            sys.executable, "-m", "services.cli", "serve",
-            "--engines", str(engines),
-            "--port", str(gateway),
-            "--batcher-port", str(batcher),
-            "--engine-port", str(base),
-            "--model-repository", str(repository),
+            sys.executable,
+            "-m",
+            "services.cli",
+            "serve",
+            "--engines",
+            str(engines),
+            "--port",
+            str(gateway),
+            "--batcher-port",
+            str(batcher),
+            "--engine-port",
+            str(base),
+            "--model-repository",
+            str(repository),
         ]
         self.proc = subprocess.Popen(
             argv,
@@ -82,7 +92,8 @@ class Stack:
         raise TimeoutError(f"gateway not SERVING after {timeout} s:\n{self.logs()}")
 
     def logs(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")[-20000:]
 
     def stop(self, timeout: float = 60.0) -> int:

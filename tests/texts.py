@@ -12,7 +12,7 @@ VARIED = [
     "a",
     "Mixed 中文 and English with numbers 12345 and symbols #@!",
     " ".join(["berth serves transformer encoders over gRPC at GPU speed."] * 12),
-    " ".join(f"word{i}" for i in range(130)),  # ~ 390 tokens
+    " ".join(f"word{i}" for i in range(155)),  # ~ 398 tokens
 ]
 
 UTTERANCES = [
