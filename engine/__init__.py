@@ -1,0 +1,1 @@
+"""The engine: loads encoders into a backend and runs padded batches on them."""

@@ -1,0 +1,83 @@
+"""The backend interface, and start-up that picks the first backend that works.
+
+A backend owns loaded models on one device and runs padded batches on them:
+token ids int32 [B, L] (padded with 0) and lengths int32 [B] in, float32
+[B, width] out. Backends are imported lazily, so a missing optional
+dependency (onnxruntime, tensorrt…) only skips that backend.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from services.repository import ModelEntry
+
+log = logging.getLogger("berth.engine")
+
+# name -> "module:Class"; a class is built as Class(device=device).
+BACKENDS: dict[str, str] = {
+    "torch": "engine.torch_backend:TorchBackend",
+}
+# The order "auto" tries them in.
+PREFERENCE: tuple[str, ...] = ("torch",)
+
+
+class BackendError(RuntimeError):
+    """No backend could be started, or a backend was asked for a bad thing."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the engine worker needs from an inference backend."""
+
+    name: str  # "torch"
+    device: str  # "cpu", "cuda:0"
+
+    def load(self, entry: ModelEntry) -> None:
+        """Load ``entry`` so that ``run(entry.name, …)`` works."""
+        ...
+
+    def width(self, model: str) -> int:
+        """Columns of ``run``'s output: hidden size, or number of labels."""
+        ...
+
+    def run(self, model: str, token_ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """int32 [B, L] ids padded with 0, int32 [B] lengths -> float32 [B, width]."""
+        ...
+
+    def warmup(self, model: str, shapes: list[tuple[int, int]]) -> None:
+        """Prepare each (batch, length) shape (CUDA graphs); may do nothing."""
+        ...
+
+
+def create_backend(name: str, device: str) -> Backend:
+    """The backend ``name`` on ``device``; ``name="auto"`` tries each in turn.
+
+    Every backend that cannot start is logged with its reason; when none
+    starts, the error lists them all.
+    """
+    candidates = list(PREFERENCE) if name == "auto" else [name]
+    reasons = []
+    for candidate in candidates:
+        target = BACKENDS.get(candidate)
+        if target is None:
+            reasons.append(f"{candidate}: unknown (known: {', '.join(BACKENDS)})")
+            continue
+        module_name, _, class_name = target.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+            backend: Backend = cls(device=device)
+        except (ImportError, RuntimeError, ValueError) as exc:
+            log.warning("backend %s on %s skipped: %s", candidate, device, exc)
+            reasons.append(f"{candidate}: {exc}")
+            continue
+        log.info("backend %s started on %s", backend.name, backend.device)
+        return backend
+    raise BackendError(
+        f"no backend could start on {device!r} ({'; '.join(reasons)}); "
+        "change the model's backend or the engine's device to one that works here"
+    )

