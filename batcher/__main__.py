@@ -11,9 +11,11 @@ from batcher.scheduler import ModelScheduler, SchedulerConfig
 from batcher.service import BatcherService
 from services.config import DEFAULT_BATCHER_PORT, add_flag, repository_flag
 from services.logs import setup_logging
+from services.metrics import serve_metrics
 from services.proto.berth.v1 import internal_pb2, internal_pb2_grpc
 from services.repository import load_repository
 from services.server import ServiceServer
+from services.telemetry import setup_tracing, shutdown_tracing
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -25,6 +27,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_flag(parser, "max-delay-ms", 5.0, "max wait for a batch to fill")
     add_flag(parser, "queue-capacity", 4096, "max sequences queued per model")
     add_flag(parser, "max-batch", 256, "max rows per batch")
+    add_flag(parser, "hedge-delay-ms", 50.0, "send a slow batch to a 2nd engine after")
+    add_flag(parser, "hedge-p95", False, "hedge after max(hedge delay, measured p95)")
+    add_flag(parser, "hedge-ratio", 0.1, "hedges allowed per batch (token bucket)")
+    add_flag(parser, "batch-timeout-s", 30.0, "an engine silent this long has failed")
+    add_flag(
+        parser, "breaker-failures", 3, "failed batches in a row that open the circuit"
+    )
+    add_flag(parser, "breaker-cooldown-s", 5.0, "open circuit waits this long to probe")
+    add_flag(parser, "metrics-port", 9465, "Prometheus /metrics port (0: off)")
     add_flag(
         parser, "drain-timeout-s", 30.0, "on SIGTERM, how long in-flight work may take"
     )
@@ -34,12 +45,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 async def main(args: argparse.Namespace) -> None:
     log = setup_logging("batcher")
+    setup_tracing("batcher")
+    serve_metrics("batcher", args.host, args.metrics_port)
     repository = load_repository(args.model_repository)
     config = SchedulerConfig(
         token_budget=args.token_budget,
         max_delay_s=args.max_delay_ms / 1000,
         capacity=args.queue_capacity,
         max_batch=args.max_batch,
+        hedge_delay_s=args.hedge_delay_ms / 1000,
+        hedge_p95=args.hedge_p95,
+        hedge_ratio=args.hedge_ratio,
+        batch_timeout_s=args.batch_timeout_s,
+        breaker_failures=args.breaker_failures,
+        breaker_cooldown_s=args.breaker_cooldown_s,
     )
     pool = EnginePool([a for a in args.engines.split(",") if a])
     schedulers = {
@@ -79,6 +98,7 @@ async def main(args: argparse.Namespace) -> None:
 
     await server.run_until_signalled(drain, grace_s=args.drain_timeout_s)
     await pool.close()
+    shutdown_tracing()
 
 
 if __name__ == "__main__":

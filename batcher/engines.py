@@ -5,13 +5,16 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable
+import time
+from collections.abc import AsyncIterator, Callable, Collection, Iterable
 from typing import Any
 
 from services.proto.berth.v1 import internal_pb2, internal_pb2_grpc
 from services.streams import StreamClient
 
 log = logging.getLogger("berth.batcher")
+
+MAX_EJECTION_S = 30.0
 
 
 class EngineClient(
@@ -26,12 +29,41 @@ class EngineClient(
         self.models: set[str] = set()
         self.device = ""
         self.in_flight = 0
+        # Ejection: an engine that fails or stalls sits out a growing back-off
+        # and is then probed with real batches again.
+        self.failures = 0
+        self.ejected_until = 0.0
+        self.gpu_utilization: float | None = None
         self._on_change = on_change
         self._stub = internal_pb2_grpc.EngineStub(self.channel)
 
     @property
     def healthy(self) -> bool:
         return self.connected
+
+    @property
+    def available(self) -> bool:
+        """Connected and not sitting out an ejection."""
+        return self.connected and time.monotonic() >= self.ejected_until
+
+    def record_success(self) -> None:
+        if self.failures:
+            log.info("engine %s answers again: back in rotation", self.address)
+        self.failures = 0
+
+    def record_failure(self, reason: str) -> None:
+        """Eject for 0.5 s, 1 s, 2 s ... up to 30 s after each failure in a row."""
+        self.failures += 1
+        backoff = min(MAX_EJECTION_S, 0.5 * 2 ** (self.failures - 1))
+        self.ejected_until = time.monotonic() + backoff
+        log.warning(
+            "engine %s ejected for %.1f s (%d failures in a row): %s",
+            self.address,
+            backoff,
+            self.failures,
+            reason,
+        )
+        self._on_change()
 
     async def run(self, batch: internal_pb2.Batch) -> internal_pb2.BatchResult:
         """Send one batch and wait for its result."""
@@ -100,17 +132,28 @@ class EnginePool:
         await asyncio.gather(*(e.close() for e in self.engines))
 
     def serving(self, model: str) -> list[EngineClient]:
+        """Connected engines that have the model (ejected ones included)."""
         return [e for e in self.engines if e.healthy and model in e.models]
 
+    def available(self, model: str) -> list[EngineClient]:
+        return [e for e in self.serving(model) if e.available]
+
     def pick(
-        self, model: str, exclude: EngineClient | None = None
+        self,
+        model: str,
+        exclude: Collection[EngineClient] = (),
+        any_slot: bool = False,
     ) -> EngineClient | None:
-        """The least-busy healthy engine with a free slot, or None."""
+        """The least-busy available engine with a free slot, or None.
+
+        ``any_slot`` ignores the slot limit (for re-sends and hedges, which
+        must not wait behind the prefetch queue).
+        """
         start = next(self._rr)
         candidates = [
             e
-            for e in self.serving(model)
-            if e.in_flight < self.slots and e is not exclude
+            for e in self.available(model)
+            if (any_slot or e.in_flight < self.slots) and e not in exclude
         ]
         if not candidates:
             return None

@@ -1,8 +1,10 @@
 """Per-model scheduling: one asyncio task owns the model's bucket queues.
 
 Gateways' sequences are pushed into the model's :class:`BucketCore`; the loop
-below forms padded batches whenever an engine has a free slot and sends them
-out. Results are split per sequence and handed back to whoever submitted.
+forms padded batches whenever an engine has a free slot and sends them out.
+A batch that is slow gets hedged to a second engine, one whose engine fails
+is re-sent, and failures feed the model's circuit breaker. Results are split
+per sequence and handed back to whoever submitted them.
 """
 
 from __future__ import annotations
@@ -13,40 +15,58 @@ import itertools
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
 import numpy as np
+from opentelemetry import trace
+from opentelemetry.trace import Link
 
+from batcher import metrics
 from batcher.core import REASON_CANCELLED, Batch, BucketCore, QueueFull
 from batcher.engines import EngineClient, EnginePool
-from services.errors import BerthError, EngineFailure
+from batcher.resilience import BreakerState, CircuitBreaker, HedgeBudget
+from services.errors import BerthError, EngineFailure, Unavailable
 from services.proto.berth.v1 import internal_pb2
 from services.repository import ModelEntry
+from services.telemetry import Span, extract, inject, record_error, tracer
 
 log = logging.getLogger("berth.batcher")
+TRACER = tracer("batcher")
 
 Deliver = Callable[[internal_pb2.SequenceResult], None]
+
+# How long queued work waits for an engine when none is connected at all
+# before it is failed (so the gateway can fall back instead of hanging).
+NO_ENGINE_GRACE_S = 2.0
 
 
 @dataclass
 class SchedulerConfig:
-    """Batching policy knobs shared by every model of a batcher."""
+    """Batching and fault-tolerance knobs shared by every model of a batcher."""
 
     token_budget: int = 16384
     max_delay_s: float = 0.005
     capacity: int = 4096
     max_batch: int = 256
+    hedge_delay_s: float = 0.050
+    hedge_p95: bool = False  # hedge after max(hedge_delay_s, measured p95)
+    hedge_ratio: float = 0.1
+    batch_timeout_s: float = 30.0
+    breaker_failures: int = 3
+    breaker_cooldown_s: float = 5.0
 
 
 @dataclass
 class Waiter:
-    """Who gets the answer of one queued sequence."""
+    """Who gets the answer of one queued sequence, and its queue span."""
 
     reply_id: int
     deliver: Deliver
     enqueued_at: float
+    span: Span
 
 
 def _error(
@@ -64,6 +84,7 @@ class ModelScheduler:
         self.name = entry.name
         self.entry = entry
         self.pool = pool
+        self.config = config
         self.core = BucketCore(
             entry.buckets,
             token_budget=config.token_budget,
@@ -71,12 +92,24 @@ class ModelScheduler:
             capacity=config.capacity,
             max_batch=config.max_batch,
         )
+        self.breaker = CircuitBreaker(
+            entry.name,
+            threshold=config.breaker_failures,
+            cooldown_s=config.breaker_cooldown_s,
+            on_change=lambda s: metrics.BREAKER_STATE.labels(self.name).set(s.value),
+        )
+        self.hedges = HedgeBudget(config.hedge_ratio)
+        self.latencies = [deque[float](maxlen=256) for _ in entry.buckets]
         self.waiters: dict[int, Waiter] = {}
         self._ids = itertools.count(1)
         self._batch_ids = itertools.count(1)
         self._wake = asyncio.Event()
         self._inflight: set[asyncio.Task[None]] = set()
         self._task: asyncio.Task[None] | None = None
+        self._engineless_since: float | None = None
+        metrics.BREAKER_STATE.labels(self.name).set(0)
+        for b, length in enumerate(entry.buckets):
+            metrics.TARGET_BATCH.labels(self.name, length).set(self.core.batch_size(b))
         pool.subscribe(self._wake.set)
 
     # ---- called by the gateway streams ------------------------------------
@@ -84,42 +117,57 @@ class ModelScheduler:
     def submit(self, seq: internal_pb2.Sequence, deliver: Deliver) -> int | None:
         """Queue one sequence; returns its key for cancel, None if refused."""
         now = time.monotonic()
-        if not self.pool.serving(self.name):
-            deliver(
-                _error(
-                    seq.id,
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"no engine is serving model {self.name!r}",
-                )
-            )
+        refusal = self._refusal()
+        if refusal is not None:
+            metrics.SEQUENCES.labels(self.name, "unavailable").inc()
+            deliver(_error(seq.id, grpc.StatusCode.UNAVAILABLE, refusal))
             return None
         key = next(self._ids)
         expires = now + seq.timeout_ms / 1000 if seq.timeout_ms else math.inf
-        tokens = memoryview(seq.token_ids).cast("i")
         try:
-            self.core.push(key, tokens, now, expires)
+            self.core.push(key, memoryview(seq.token_ids).cast("i"), now, expires)
         except QueueFull:
+            metrics.SEQUENCES.labels(self.name, "shed").inc()
             deliver(
                 _error(
                     seq.id,
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"batcher queue for {self.name!r} is full "
-                    f"({len(self.core)} sequences queued); retry later",
+                    f"batcher queue for {self.name!r} is full ({len(self.core)} "
+                    "sequences queued, --queue-capacity); retry later",
                 )
             )
             return None
         except ValueError as exc:
+            metrics.SEQUENCES.labels(self.name, "invalid").inc()
             deliver(_error(seq.id, grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
             return None
-        self.waiters[key] = Waiter(seq.id, deliver, now)
+        span = TRACER.start_span(
+            "batcher.queue",
+            context=extract(seq.trace_context),
+            attributes={
+                "berth.model": self.name,
+                "berth.tokens": len(seq.token_ids) // 4,
+            },
+        )
+        self.waiters[key] = Waiter(seq.id, deliver, now, span)
+        metrics.QUEUE_DEPTH.labels(self.name).set(len(self.core))
         self._wake.set()
         return key
+
+    def _refusal(self) -> str | None:
+        if not self.pool.serving(self.name):
+            return f"no engine is serving model {self.name!r}"
+        if self.breaker.state is BreakerState.OPEN and not self.breaker.cooled_down():
+            return f"circuit for {self.name!r} is open after repeated engine failures"
+        return None
 
     def cancel(self, key: int) -> None:
         if self.core.cancel(key):
             self._wake.set()
         # Already in a batch: its answer is dropped on delivery.
-        self.waiters.pop(key, None)
+        waiter = self.waiters.pop(key, None)
+        if waiter is not None:
+            waiter.span.end()
 
     # ---- the loop ----------------------------------------------------------
 
@@ -145,26 +193,47 @@ class ModelScheduler:
             # 2. Answer the sequences the core dropped (cancelled / expired).
             self._report_dropped()
             if batch is not None and engine is not None:
-                self._dispatch(engine, batch)
+                if self.breaker.allow():
+                    self._dispatch(engine, batch)
+                else:
+                    self._fail_batch(batch, f"circuit for {self.name!r} is open")
                 continue
+            self._fail_if_engineless(now)
+            metrics.QUEUE_DEPTH.labels(self.name).set(len(self.core))
             # 3. Sleep until new work, a free engine slot or a bucket's delay.
-            timeout = None
-            if engine is not None and len(self.core):
-                timeout = max(0.0, self.core.next_deadline() - time.monotonic())
+            # (No free engine with work queued: poll, an ejection may end.)
+            timeout: float | None = None
+            if len(self.core):
+                deadline = self.core.next_deadline() - now
+                timeout = 0.05 if engine is None else max(0.0, deadline)
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
+
+    def _fail_if_engineless(self, now: float) -> None:
+        """With no engine connected for a while, fail what is queued."""
+        if self.pool.serving(self.name) or not len(self.core):
+            self._engineless_since = None
+            return
+        if self._engineless_since is None:
+            self._engineless_since = now
+        elif now - self._engineless_since > NO_ENGINE_GRACE_S:
+            while (batch := self.core.next_batch(now, eager=True)) is not None:
+                self._fail_batch(batch, f"no engine is serving model {self.name!r}")
 
     def _report_dropped(self) -> None:
         for key, reason in self.core.take_dropped():
             waiter = self.waiters.pop(key, None)
             if waiter is None:
                 continue
+            waiter.span.end()
             if reason == REASON_CANCELLED:
+                metrics.SEQUENCES.labels(self.name, "cancelled").inc()
                 waiter.deliver(
                     _error(waiter.reply_id, grpc.StatusCode.CANCELLED, "cancelled")
                 )
             else:
+                metrics.SEQUENCES.labels(self.name, "expired").inc()
                 waiter.deliver(
                     _error(
                         waiter.reply_id,
@@ -173,17 +242,55 @@ class ModelScheduler:
                     )
                 )
 
+    def _fail_batch(self, batch: Batch, reason: str) -> None:
+        for key in batch.ids:
+            waiter = self.waiters.pop(int(key), None)
+            if waiter is not None:
+                waiter.span.end()
+                metrics.SEQUENCES.labels(self.name, "unavailable").inc()
+                waiter.deliver(
+                    _error(waiter.reply_id, grpc.StatusCode.UNAVAILABLE, reason)
+                )
+
+    # ---- one batch ---------------------------------------------------------
+
     def _dispatch(self, engine: EngineClient, batch: Batch) -> None:
+        now = time.monotonic()
         keys = [int(k) for k in batch.ids]
+        length = batch.length
+        ratio = batch.real_tokens / (batch.size * length)
+        links = []
+        for key in keys:
+            waiter = self.waiters.get(key)
+            if waiter is not None:
+                wait = now - waiter.enqueued_at
+                metrics.QUEUE_WAIT.labels(self.name, length).observe(wait)
+                waiter.span.set_attribute("berth.bucket", length)
+                waiter.span.end()
+                links.append(waiter.span.get_span_context())
+        span = TRACER.start_span(
+            "batcher.batch",
+            links=[Link(c) for c in links],
+            attributes={
+                "berth.model": self.name,
+                "berth.bucket": length,
+                "berth.batch_size": batch.size,
+                "berth.padded_ratio": round(ratio, 4),
+            },
+        )
         message = internal_pb2.Batch(
             id=next(self._batch_ids),
             model=self.name,
             batch_size=batch.size,
-            length=batch.length,
+            length=length,
             token_ids=bytes(batch.tokens),
             lengths=bytes(batch.lengths),
+            trace_context=inject(trace.set_span_in_context(span)),
         )
-        task = asyncio.create_task(self._run(engine, message, keys, batch.bucket))
+        metrics.BATCHES.labels(self.name, length).inc()
+        metrics.BATCH_SIZE.labels(self.name, length).observe(batch.size)
+        metrics.PADDING_RATIO.labels(self.name, length).observe(ratio)
+        task = asyncio.create_task(self._run(engine, message, keys, batch.bucket, span))
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
 
@@ -193,26 +300,37 @@ class ModelScheduler:
         message: internal_pb2.Batch,
         keys: list[int],
         bucket: int,
+        span: Span,
     ) -> None:
         started = time.monotonic()
         try:
-            result = await self._run_with_retry(engine, message)
+            result = await self._execute(engine, message, bucket)
+            self.breaker.record_success()
         except BerthError as exc:
+            self.breaker.record_failure(str(exc))
+            record_error(span, exc)
             for key in keys:
                 waiter = self.waiters.pop(key, None)
                 if waiter is not None:
+                    metrics.SEQUENCES.labels(self.name, "failed").inc()
                     waiter.deliver(_error(waiter.reply_id, exc.code, str(exc)))
             return
         finally:
+            span.end()
             self.pool.completed()
-        inference_us = int((time.monotonic() - started) * 1e6)
+        latency = time.monotonic() - started
+        self.latencies[bucket].append(latency)
+        metrics.BATCH_LATENCY.labels(self.name, message.length).observe(latency)
+        self.hedges.earn()
         outputs = np.frombuffer(result.output, dtype="<f4").reshape(
             len(keys), result.width
         )
+        inference_us = int(latency * 1e6)
         for row, key in enumerate(keys):
             waiter = self.waiters.pop(key, None)
             if waiter is None:  # cancelled while computing
                 continue
+            metrics.SEQUENCES.labels(self.name, "ok").inc()
             waiter.deliver(
                 internal_pb2.SequenceResult(
                     id=waiter.reply_id,
@@ -224,18 +342,94 @@ class ModelScheduler:
                 )
             )
 
-    async def _run_with_retry(
+    async def _execute(
+        self, engine: EngineClient, message: internal_pb2.Batch, bucket: int
+    ) -> internal_pb2.BatchResult:
+        """Run the batch, hedged; if its engine fails, re-send to another."""
+        tried: set[EngineClient] = set()
+        while True:
+            tried.add(engine)
+            try:
+                return await self._hedged(engine, message, bucket, tried)
+            except (Unavailable, EngineFailure) as exc:
+                retry = self.pool.pick(self.name, exclude=tried, any_slot=True)
+                if retry is None:
+                    raise
+                metrics.RESENDS.labels(self.name).inc()
+                log.warning(
+                    "re-sending batch %d to %s: %s", message.id, retry.address, exc
+                )
+                engine = retry
+
+    async def _hedged(
+        self,
+        engine: EngineClient,
+        message: internal_pb2.Batch,
+        bucket: int,
+        tried: set[EngineClient],
+    ) -> internal_pb2.BatchResult:
+        """One attempt; past the hedge delay, a second engine races it."""
+        attempts = {asyncio.ensure_future(self._attempt(engine, message)): engine}
+        done, _ = await asyncio.wait(attempts, timeout=self._hedge_delay(bucket))
+        if not done:
+            backup = self.pool.pick(self.name, exclude=tried, any_slot=True)
+            if backup is not None and self.hedges.try_spend():
+                tried.add(backup)
+                metrics.HEDGES.labels(self.name, "sent").inc()
+                attempts[asyncio.ensure_future(self._attempt(backup, message))] = backup
+        pending = set(attempts)
+        error: BaseException | None = None
+        while pending:
+            done, pending = await asyncio.wait(
+                pending, return_when=asyncio.FIRST_COMPLETED
+            )
+            for task in done:
+                if task.exception() is None:
+                    winner = attempts[task]
+                    for loser in pending:
+                        loser.cancel()
+                        attempts[loser].cancel(message.id)  # dropped before compute
+                        if winner is not engine:
+                            # The primary stalled: let it sit out a back-off.
+                            metrics.HEDGES.labels(self.name, "won").inc()
+                            self.hedges.won += 1
+                            attempts[loser].record_failure("slower than its hedge")
+                    return task.result()
+                error = task.exception()
+        assert error is not None
+        raise error
+
+    async def _attempt(
         self, engine: EngineClient, message: internal_pb2.Batch
     ) -> internal_pb2.BatchResult:
-        """Run on ``engine``; if it is lost mid-batch, once more on another."""
         try:
-            result = await engine.run(message)
-        except BerthError as exc:
-            other = self.pool.pick(self.name, exclude=engine)
-            if other is None:
-                raise
-            log.warning("re-sending batch %d to %s: %s", message.id, other.address, exc)
-            result = await other.run(message)
+            result = await asyncio.wait_for(
+                engine.run(message), self.config.batch_timeout_s
+            )
+        except TimeoutError:
+            engine.cancel(message.id)
+            engine.record_failure("batch timed out")
+            raise Unavailable(
+                f"engine {engine.address} did not answer a batch of {self.name!r} in "
+                f"{self.config.batch_timeout_s} s (--batch-timeout-s)"
+            ) from None
+        except Unavailable as exc:
+            engine.record_failure(str(exc))
+            raise
         if result.code != 0:
-            raise EngineFailure(result.message)
+            engine.record_failure(result.message)
+            raise EngineFailure(f"engine {engine.address}: {result.message}")
+        engine.record_success()
+        if result.gpu_utilization >= 0:
+            engine.gpu_utilization = result.gpu_utilization
+            metrics.GPU_UTILIZATION.labels(engine.address).set(
+                result.gpu_utilization / 100
+            )
         return result
+
+    def _hedge_delay(self, bucket: int) -> float:
+        delay = self.config.hedge_delay_s
+        recent = self.latencies[bucket]
+        if self.config.hedge_p95 and len(recent) >= 20:
+            delay = max(delay, float(np.percentile(recent, 95)))
+        return delay

@@ -33,8 +33,8 @@ class BatcherService(internal_pb2_grpc.BatcherServicer):
             models=[
                 internal_pb2.BatcherModel(
                     name=name,
-                    state="closed",
-                    healthy_engines=len(s.pool.serving(name)),
+                    state=s.breaker.label,
+                    healthy_engines=len(s.pool.available(name)),
                 )
                 for name, s in self.schedulers.items()
             ]

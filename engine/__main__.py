@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 
 from engine.backend import create_backend
 from engine.service import EngineService
 from services.config import DEFAULT_ENGINE_PORT, add_flag, repository_flag
 from services.logs import setup_logging
+from services.metrics import serve_metrics
 from services.proto.berth.v1 import internal_pb2, internal_pb2_grpc
 from services.repository import load_repository
 from services.server import ServiceServer
+from services.telemetry import setup_tracing, shutdown_tracing
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -24,12 +27,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_flag(
         parser, "drain-timeout-s", 30.0, "on SIGTERM, how long in-flight work may take"
     )
+    add_flag(parser, "metrics-port", 9466, "Prometheus /metrics port (0: off)")
+    add_flag(parser, "chaos", False, "fault injection: SIGUSR1 toggles failing batches")
     repository_flag(parser)
     return parser.parse_args(argv)
 
 
 async def main(args: argparse.Namespace) -> None:
     log = setup_logging("engine")
+    setup_tracing("engine")
+    serve_metrics("engine", args.host, args.metrics_port)
     repository = load_repository(args.model_repository)
     wanted = [m for m in args.models.split(",") if m] or list(repository)
     models = {name: repository[name] for name in wanted}
@@ -42,6 +49,11 @@ async def main(args: argparse.Namespace) -> None:
     service = EngineService(backend, models)
     internal_pb2_grpc.add_EngineServicer_to_server(service, server.server)
     await server.start()
+    if args.chaos:
+        asyncio.get_running_loop().add_signal_handler(
+            signal.SIGUSR1, service.toggle_failing
+        )
+        log.warning("chaos hooks on: SIGUSR1 toggles failing every batch")
     for name, entry in models.items():
         log.info(
             "loading %s (%s) from %s on %s with %s",
@@ -58,6 +70,7 @@ async def main(args: argparse.Namespace) -> None:
     await server.set_serving(True)
     log.info("engine SERVING %s on %s", ", ".join(models), server.address)
     await server.run_until_signalled(grace_s=args.drain_timeout_s)
+    shutdown_tracing()
 
 
 if __name__ == "__main__":

@@ -16,11 +16,14 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 
+from engine import metrics
 from engine.backend import Backend
 from services.proto.berth.v1 import internal_pb2, internal_pb2_grpc
 from services.repository import ModelEntry
+from services.telemetry import extract, record_error, tracer
 
 log = logging.getLogger("berth.engine")
+TRACER = tracer("engine")
 
 
 class EngineService(internal_pb2_grpc.EngineServicer):
@@ -33,6 +36,7 @@ class EngineService(internal_pb2_grpc.EngineServicer):
         self.batches = 0
         self.failures = 0
         self.ready = False  # set once every model is loaded and warmed up
+        self.failing = False  # chaos: fail every batch (toggled by SIGUSR1)
 
     async def Info(
         self, request: internal_pb2.EngineInfoRequest, context: grpc.aio.ServicerContext
@@ -81,28 +85,54 @@ class EngineService(internal_pb2_grpc.EngineServicer):
 
     def run_batch(self, batch: internal_pb2.Batch) -> internal_pb2.BatchResult:
         """Compute one batch (on the compute thread); errors become a result."""
+        attributes: dict[str, str | int] = {
+            "berth.model": batch.model,
+            "berth.batch_size": batch.batch_size,
+            "berth.bucket": batch.length,
+        }
+        with TRACER.start_as_current_span(
+            "engine.batch", context=extract(batch.trace_context), attributes=attributes
+        ) as span:
+            try:
+                result = self._compute_batch(batch)
+            except Exception as exc:  # one batch failed; the engine lives on
+                self.failures += 1
+                record_error(span, exc)
+                metrics.BATCHES.labels(batch.model, "failed").inc()
+                log.exception("batch %d of %s failed", batch.id, batch.model)
+                return internal_pb2.BatchResult(
+                    id=batch.id,
+                    code=grpc.StatusCode.INTERNAL.value[0],
+                    message=f"engine failed on a batch of {batch.model}: {exc}",
+                )
+        self.batches += 1
+        metrics.BATCHES.labels(batch.model, "ok").inc()
+        return result
+
+    def _compute_batch(self, batch: internal_pb2.Batch) -> internal_pb2.BatchResult:
+        if self.failing:
+            raise RuntimeError("fault injected (SIGUSR1 toggles it; --chaos)")
+        if batch.model not in self.models:
+            raise KeyError(f"engine does not serve model {batch.model!r}")
         t0 = time.perf_counter()
-        try:
-            if batch.model not in self.models:
-                raise KeyError(f"engine does not serve model {batch.model!r}")
+        with TRACER.start_as_current_span("engine.copy_in"):
             ids = np.frombuffer(batch.token_ids, dtype="<i4").reshape(
                 batch.batch_size, batch.length
             )
             lengths = np.frombuffer(batch.lengths, dtype="<i4")
-            t1 = time.perf_counter()
+        t1 = time.perf_counter()
+        with TRACER.start_as_current_span("engine.compute"):
             output = self.backend.run(batch.model, ids, lengths)
-            t2 = time.perf_counter()
+        t2 = time.perf_counter()
+        with TRACER.start_as_current_span("engine.copy_out"):
             data = np.ascontiguousarray(output, dtype="<f4").tobytes()
-            t3 = time.perf_counter()
-        except Exception as exc:  # one batch failed; the engine lives on
-            self.failures += 1
-            log.exception("batch %d of %s failed", batch.id, batch.model)
-            return internal_pb2.BatchResult(
-                id=batch.id,
-                code=grpc.StatusCode.INTERNAL.value[0],
-                message=f"engine failed on batch of {batch.model}: {exc}",
-            )
-        self.batches += 1
+        t3 = time.perf_counter()
+        for stage, seconds in (
+            ("copy_in", t1 - t0),
+            ("compute", t2 - t1),
+            ("copy_out", t3 - t2),
+        ):
+            metrics.STAGE_SECONDS.labels(batch.model, stage).observe(seconds)
         return internal_pb2.BatchResult(
             id=batch.id,
             output=data,
@@ -111,4 +141,11 @@ class EngineService(internal_pb2_grpc.EngineServicer):
             compute_us=int((t2 - t1) * 1e6),
             copy_out_us=int((t3 - t2) * 1e6),
             gpu_utilization=-1.0,
+        )
+
+    def toggle_failing(self) -> None:
+        """Chaos hook: from now on every batch fails (or stops failing)."""
+        self.failing = not self.failing
+        log.warning(
+            "fault injection: every batch %s", "FAILS" if self.failing else "ok"
         )

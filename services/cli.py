@@ -51,6 +51,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     gpus = _gpu_count()
     engines = args.engines or max(1, gpus)
     common = ["--model-repository", str(repo)]
+
+    def metrics_port(offset: int) -> str:
+        # gateway base, batcher base+1, engines base+2...; 0 turns them off.
+        return str(args.metrics_port + offset if args.metrics_port else 0)
+
     children = []
     engine_addresses = []
     for i in range(engines):
@@ -75,6 +80,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     args.backend,
                     "--device",
                     "cuda:0" if gpus else args.device,
+                    "--metrics-port",
+                    metrics_port(2 + i),
+                    *("--chaos",) * args.chaos,
                     *common,
                 ),
                 env,
@@ -92,6 +100,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 str(args.batcher_port),
                 "--engines",
                 ",".join(engine_addresses),
+                "--metrics-port",
+                metrics_port(1),
+                # CPU batches take 100s of ms: hedge on measured p95, not 50 ms.
+                *("--hedge-p95",) * (not gpus),
                 *common,
             ),
         )
@@ -264,6 +276,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(serve, "backend", "torch", "engine backend")
     add_flag(serve, "device", "auto", "engine device when there is no GPU")
     add_flag(serve, "build-models", True, "build the default models if missing")
+    add_flag(
+        serve,
+        "metrics-port",
+        9464,
+        "gateway's /metrics port; batcher +1, engines +2... (0: off)",
+    )
+    serve.add_argument(
+        "--chaos", action="store_true", help="engines take SIGUSR1 to fail batches"
+    )
     repository_flag(serve)
     serve.set_defaults(func=cmd_serve)
 

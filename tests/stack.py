@@ -45,12 +45,21 @@ class Stack:
     """A `berth serve` process tree and its addresses."""
 
     def __init__(
-        self, repository: Path, engines: int = 1, env: dict[str, str] | None = None
+        self,
+        repository: Path,
+        engines: int = 1,
+        env: dict[str, str] | None = None,
+        extra_args: list[str] | None = None,
     ) -> None:
         gateway, batcher, *engine_ports = free_ports(2 + engines)
         # Engine ports are consecutive from --engine-port: find a free run.
         base = _free_run(engines)
+        metrics_base = _free_run(engines + 2)
         self.gateway = f"127.0.0.1:{gateway}"
+        # /metrics: gateway, batcher, then each engine.
+        self.metrics = [
+            f"http://127.0.0.1:{metrics_base + i}/metrics" for i in range(engines + 2)
+        ]
         self.batcher = f"127.0.0.1:{batcher}"
         self.engines = [f"127.0.0.1:{base + i}" for i in range(engines)]
         self.log_path = Path(os.environ.get("BERTH_TEST_LOGS", "/tmp")) / (
@@ -72,6 +81,9 @@ class Stack:
             str(base),
             "--model-repository",
             str(repository),
+            "--metrics-port",
+            str(metrics_base),
+            *(extra_args or []),
         ]
         self.proc = subprocess.Popen(
             argv,

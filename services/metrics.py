@@ -1,0 +1,40 @@
+"""Prometheus: each service serves /metrics on its own port."""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import start_http_server
+
+log = logging.getLogger("berth.metrics")
+
+# Seconds; from a cached answer (~50 µs) to a long CPU batch (~10 s).
+LATENCY_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+
+def serve_metrics(service: str, host: str, port: int) -> None:
+    """Start the /metrics HTTP server (port 0: disabled)."""
+    if port <= 0:
+        log.info("%s: metrics disabled (--metrics-port 0)", service)
+        return
+    start_http_server(port, addr=host)
+    log.info("%s: Prometheus metrics on http://%s:%d/metrics", service, host, port)

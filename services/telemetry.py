@@ -1,0 +1,96 @@
+"""OpenTelemetry set-up and W3C trace-context helpers for every service.
+
+Configured by the standard variables: OTEL_EXPORTER_OTLP_ENDPOINT (or
+OTEL_EXPORTER_OTLP_TRACES_ENDPOINT), OTEL_TRACES_SAMPLER[_ARG], OTEL_BSP_*,
+OTEL_SERVICE_NAME. With no endpoint set, no exporter runs: spans are not
+recorded, but incoming trace context is still passed on to the next hop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Mapping
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+log = logging.getLogger("berth.telemetry")
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+_provider: object | None = None
+
+__all__ = [
+    "Context",
+    "Span",
+    "SpanKind",
+    "extract",
+    "inject",
+    "record_error",
+    "setup_tracing",
+    "shutdown_tracing",
+    "tracer",
+]
+
+
+def setup_tracing(service: str) -> Tracer:
+    """Install an OTLP/gRPC exporting provider when an endpoint is configured."""
+    global _provider
+    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
+        "OTEL_EXPORTER_OTLP_ENDPOINT"
+    )
+    if endpoint and _provider is None:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+            OTLPSpanExporter,
+        )
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        name = os.environ.get("OTEL_SERVICE_NAME", service)
+        # The sampler comes from OTEL_TRACES_SAMPLER[_ARG]; the batch processor
+        # from OTEL_BSP_*; the exporter from OTEL_EXPORTER_OTLP_*.
+        provider = TracerProvider(resource=Resource.create({"service.name": name}))
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        trace.set_tracer_provider(provider)
+        _provider = provider
+        log.info("tracing: exporting spans of %s over OTLP to %s", name, endpoint)
+    elif not endpoint:
+        log.info("tracing: no OTEL_EXPORTER_OTLP_ENDPOINT, spans are not exported")
+    return trace.get_tracer(f"berth.{service}")
+
+
+def tracer(service: str) -> Tracer:
+    return trace.get_tracer(f"berth.{service}")
+
+
+def shutdown_tracing() -> None:
+    """Flush spans still buffered (called on drain)."""
+    if _provider is not None:
+        _provider.shutdown()  # type: ignore[attr-defined]
+
+
+def inject(ctx: Context | None = None) -> dict[str, str]:
+    """The W3C traceparent/tracestate of ``ctx`` (default: current) as a dict."""
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, context=ctx)
+    return carrier
+
+
+def extract(carrier: Mapping[str, str] | Iterable[tuple[str, str | bytes]]) -> Context:
+    """A context from a dict or from gRPC invocation metadata."""
+    if not isinstance(carrier, Mapping):
+        carrier = {k: v.decode() if isinstance(v, bytes) else v for k, v in carrier}
+    return _PROPAGATOR.extract(carrier)
+
+
+def record_error(span: Span, exc: BaseException) -> None:
+    span.record_exception(exc)
+    span.set_status(Status(StatusCode.ERROR, str(exc)))
+
+
+def current_context() -> Context:
+    return otel_context.get_current()
