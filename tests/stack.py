@@ -135,3 +135,19 @@ def _free_run(n: int) -> int:
         if ok:
             return p
     raise RuntimeError("no run of free ports")
+
+
+def pid_listening(module: str, port: int) -> int:
+    """The pid of `python -m <module> ... --port <port>` (from /proc)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        args = [a.decode(errors="replace") for a in argv]
+        wanted = "-m" in args and module in args and "--port" in args
+        if wanted and args[args.index("--port") + 1] == str(port):
+            return int(proc.name)
+    raise LookupError(f"no {module} process on port {port}")

@@ -1,0 +1,153 @@
+"""Chaos against `berth serve --engines 2` under steady bounded load.
+
+Every request is accounted for: OK, a clear error, or (never) lost. Each
+test prints its counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.chaos.load import run_load
+from tests.stack import Stack, pid_listening
+
+
+@pytest.fixture
+def fleet(repository: Path) -> Iterator[Stack]:
+    stack = Stack(
+        repository,
+        engines=2,
+        extra_args=["--chaos"],
+        env={"BERTH_BREAKER_COOLDOWN_S": "2"},
+    )
+    try:
+        stack.wait_serving()
+        yield stack
+    finally:
+        stack.stop()
+
+
+def engine_pid(stack: Stack, index: int) -> int:
+    return pid_listening("engine", int(stack.engines[index].rsplit(":", 1)[1]))
+
+
+def metric(url: str, pattern: str) -> float:
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if line and not line.startswith("#") and re.fullmatch(pattern, name):
+            total += float(value)
+    return total
+
+
+async def later(delay: float, action) -> None:  # type: ignore[no-untyped-def]
+    await asyncio.sleep(delay)
+    action()
+
+
+def test_engine_killed_mid_run_loses_nothing(fleet: Stack) -> None:
+    victim = engine_pid(fleet, 0)
+
+    async def scenario():  # type: ignore[no-untyped-def]
+        load = asyncio.create_task(
+            run_load(fleet.gateway, requests=10_000, concurrency=32)
+        )
+        await later(3.0, lambda: os.kill(victim, signal.SIGKILL))
+        return await load
+
+    result = asyncio.run(scenario())
+    print(result.summary("SIGKILL one engine"))
+    assert result.sent == 10_000
+    assert result.answered == result.sent, "requests were lost"
+    assert result.ok_ratio >= 0.9997
+    # berth serve restarted the killed engine.
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if engine_pid(fleet, 0) != victim:
+                break
+        except LookupError:
+            pass
+        time.sleep(0.5)
+    assert engine_pid(fleet, 0) != victim
+    assert "engine-0 exited with code -9; restarting" in fleet.logs()
+
+
+def test_stalled_engine_is_hedged_around(fleet: Stack) -> None:
+    healthy = asyncio.run(run_load(fleet.gateway, requests=1500, concurrency=8))
+    print(healthy.summary("healthy"))
+    batcher_metrics = fleet.metrics[1]
+    batches_before = metric(batcher_metrics, r"berth_batcher_batches_total\{.*\}")
+    hedges_before = metric(
+        batcher_metrics, r'berth_batcher_hedges_total\{.*event="sent".*\}'
+    )
+    victim = engine_pid(fleet, 1)
+
+    async def scenario():  # type: ignore[no-untyped-def]
+        load = asyncio.create_task(
+            run_load(fleet.gateway, requests=1500, concurrency=8)
+        )
+        await later(0.5, lambda: os.kill(victim, signal.SIGSTOP))
+        await later(3.0, lambda: os.kill(victim, signal.SIGCONT))
+        return await load
+
+    stalled = asyncio.run(scenario())
+    print(stalled.summary("SIGSTOP one engine for 3 s"))
+    batches = (
+        metric(batcher_metrics, r"berth_batcher_batches_total\{.*\}") - batches_before
+    )
+    hedges = (
+        metric(batcher_metrics, r'berth_batcher_hedges_total\{.*event="sent".*\}')
+        - hedges_before
+    )
+    print(f"batches {batches:.0f}, hedges {hedges:.0f} ({hedges / batches:.1%})")
+    assert stalled.answered == stalled.sent and stalled.ok_ratio == 1.0
+    assert stalled.p(99) <= 2 * healthy.p(99)
+    assert hedges / batches <= 0.10
+
+
+def test_all_engines_failing_degrades_then_recovers(fleet: Stack) -> None:
+    pids = [engine_pid(fleet, i) for i in range(2)]
+    for pid in pids:
+        os.kill(pid, signal.SIGUSR1)  # every batch now fails
+    failing = asyncio.run(run_load(fleet.gateway, requests=200, concurrency=4))
+    print(failing.summary("every engine failing"))
+    assert failing.answered == failing.sent and failing.ok_ratio == 1.0
+    assert failing.degraded >= failing.sent - 3 * 4  # all but the first failures
+    state = metric(fleet.metrics[1], r'berth_batcher_breaker_state\{model="minilm"\}')
+    assert state in (1, 2)  # open, or half-open probing
+    for pid in pids:
+        os.kill(pid, signal.SIGUSR1)  # engines recover
+    time.sleep(2.5)  # the breaker's cool-down (BERTH_BREAKER_COOLDOWN_S=2)
+    recovered = asyncio.run(run_load(fleet.gateway, requests=200, concurrency=4))
+    print(recovered.summary("after recovery"))
+    tail = recovered.degraded
+    assert recovered.ok_ratio == 1.0
+    assert tail <= 8, "answers still degraded after the engines recovered"
+
+
+def test_gateway_sigterm_mid_load_finishes_in_flight(fleet: Stack) -> None:
+    async def scenario():  # type: ignore[no-untyped-def]
+        load = asyncio.create_task(
+            run_load(fleet.gateway, requests=100_000, concurrency=16, max_duration_s=4)
+        )
+        await later(1.5, lambda: fleet.proc.send_signal(signal.SIGTERM))
+        return await load
+
+    result = asyncio.run(scenario())
+    print(result.summary("SIGTERM berth serve mid-load"))
+    assert result.answered == result.sent
+    # Calls admitted before the drain completed; later ones were refused.
+    assert result.outcomes["OK"] > 0
+    assert set(result.outcomes) <= {"OK", "UNAVAILABLE"}
+    assert fleet.proc.wait(60) == 0

@@ -1,0 +1,164 @@
+"""Tracing across every hop (real OTLP receiver) and /metrics on every service."""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
+from tests.otlp import ReceivedSpan, Receiver
+from tests.stack import Stack
+
+CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
+CLIENT_SPAN = "b7ad6b7169203331"
+
+
+@pytest.fixture(scope="module")
+def traced(repository: Path) -> Iterator[tuple[Stack, Receiver]]:
+    receiver = Receiver().start()
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
+        "OTEL_EXPORTER_OTLP_INSECURE": "true",
+        "OTEL_TRACES_SAMPLER": "parentbased_always_on",
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+    }
+    stack = Stack(repository, env=env)
+    try:
+        stack.wait_serving()
+        yield stack, receiver
+    finally:
+        stack.stop()
+        receiver.stop()
+
+
+def wait_for(predicate, timeout: float = 20.0):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    return predicate()
+
+
+def test_one_request_is_one_connected_trace(traced: tuple[Stack, Receiver]) -> None:
+    stack, receiver = traced
+    metadata = (("traceparent", f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"),)
+    with grpc.insecure_channel(stack.gateway) as channel:
+        stub = berth_pb2_grpc.BerthStub(channel)
+        stub.Embed(
+            berth_pb2.EmbedRequest(model="minilm", texts=["trace me", "and me too"]),
+            metadata=metadata,
+            timeout=30,
+        )
+
+    def engine_spans() -> list[ReceivedSpan]:
+        spans = receiver.snapshot()
+        request = {s.span_id for s in spans if s.trace_id == CLIENT_TRACE}
+        batches = [
+            s
+            for s in spans
+            if s.name == "batcher.batch" and any(sid in request for _, sid in s.links)
+        ]
+        ids = {b.span_id for b in batches}
+        return [s for s in spans if s.name == "engine.batch" and s.parent_id in ids]
+
+    assert wait_for(engine_spans), f"no engine span reached: {receiver.snapshot()}"
+    time.sleep(0.5)  # the engine's children come in the same export or next
+    spans = receiver.snapshot()
+    by_id = {s.span_id: s for s in spans}
+    in_request = [s for s in spans if s.trace_id == CLIENT_TRACE]
+    services = {s.service for s in in_request}
+    assert {"gateway", "batcher"} <= services, services
+
+    # The gateway's server span is the child of the caller's span.
+    root = [s for s in in_request if s.parent_id == CLIENT_SPAN]
+    assert len(root) == 1 and root[0].service == "gateway", root
+    assert {"gateway.tokenize", "gateway.infer"} <= {
+        s.name for s in in_request if s.service == "gateway"
+    }
+    # Each text waited in a bucket: a queue span under a gateway span.
+    queues = [s for s in in_request if s.name == "batcher.queue"]
+    assert len(queues) == 2
+    for q in queues:
+        assert by_id[q.parent_id].service == "gateway"
+    # The batch links to every request span it carries...
+    batch = next(
+        s
+        for s in spans
+        if s.name == "batcher.batch"
+        and {(CLIENT_TRACE, q.span_id) for q in queues} <= set(s.links)
+    )
+    assert batch.attributes["berth.batch_size"] == 2
+    assert batch.attributes["berth.bucket"] == 32
+    assert 0 < batch.attributes["berth.padded_ratio"] <= 1
+    # ...and the engine's work hangs under the batch.
+    engine = next(
+        s for s in spans if s.name == "engine.batch" and s.parent_id == batch.span_id
+    )
+    assert engine.service == "engine"
+    stages = {s.name for s in spans if s.parent_id == engine.span_id}
+    assert stages == {"engine.copy_in", "engine.compute", "engine.copy_out"}
+
+
+def test_errors_mark_the_span(traced: tuple[Stack, Receiver]) -> None:
+    stack, receiver = traced
+    trace_id = "1af7651916cd43dd8448eb211c80319c"
+    metadata = (("traceparent", f"00-{trace_id}-{CLIENT_SPAN}-01"),)
+    with grpc.insecure_channel(stack.gateway) as channel:
+        stub = berth_pb2_grpc.BerthStub(channel)
+        with pytest.raises(grpc.RpcError):
+            stub.Embed(
+                berth_pb2.EmbedRequest(model="minilm", texts=[""]),
+                metadata=metadata,
+                timeout=30,
+            )
+    spans = wait_for(lambda: [s for s in receiver.snapshot() if s.trace_id == trace_id])
+    assert spans and any(s.status_code == 2 for s in spans)  # STATUS_CODE_ERROR
+
+
+def scrape(url: str) -> dict[str, float]:
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples
+
+
+def value(samples: dict[str, float], pattern: str) -> float:
+    """Sum of the samples whose 'name{labels}' matches the regex."""
+    return sum(v for k, v in samples.items() if re.fullmatch(pattern, k))
+
+
+def test_metrics_count_known_calls(traced: tuple[Stack, Receiver]) -> None:
+    stack, _ = traced
+    gateway, batcher, engine = (scrape(u) for u in stack.metrics)
+    with grpc.insecure_channel(stack.gateway) as channel:
+        stub = berth_pb2_grpc.BerthStub(channel)
+        for _ in range(3):
+            stub.Embed(berth_pb2.EmbedRequest(model="minilm", texts=["x", "y z"]))
+        with pytest.raises(grpc.RpcError):
+            stub.Embed(berth_pb2.EmbedRequest(model="minilm", texts=[]))
+    after = [scrape(u) for u in stack.metrics]
+    ok = r'berth_gateway_requests_total\{.*model="minilm".*outcome="ok".*\}'
+    bad = r'berth_gateway_requests_total\{.*model="minilm".*outcome="invalid".*\}'
+    assert value(after[0], ok) - value(gateway, ok) == 3
+    assert value(after[0], bad) - value(gateway, bad) == 1
+    seqs = r'berth_batcher_sequences_total\{model="minilm",outcome="ok"\}'
+    assert value(after[1], seqs) - value(batcher, seqs) == 6
+    assert value(after[1], r"berth_batcher_batch_size_count\{.*\}") > 0
+    assert value(after[1], r'berth_batcher_breaker_state\{model="minilm"\}') == 0
+    batches = r'berth_engine_batches_total\{model="minilm",outcome="ok"\}'
+    assert value(after[2], batches) > value(engine, batches)
+    assert (
+        value(after[0], r"berth_gateway_stage_seconds_count\{.*stage=\"tokenize\".*\}")
+        > 0
+    )
