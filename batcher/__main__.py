@@ -35,6 +35,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser, "breaker-failures", 3, "failed batches in a row that open the circuit"
     )
     add_flag(parser, "breaker-cooldown-s", 5.0, "open circuit waits this long to probe")
+    add_flag(
+        parser, "latency-target-ms", 50.0, "batch latency the adaptive sizes aim at"
+    )
     add_flag(parser, "metrics-port", 9465, "Prometheus /metrics port (0: off)")
     add_flag(
         parser, "drain-timeout-s", 30.0, "on SIGTERM, how long in-flight work may take"
@@ -59,6 +62,7 @@ async def main(args: argparse.Namespace) -> None:
         batch_timeout_s=args.batch_timeout_s,
         breaker_failures=args.breaker_failures,
         breaker_cooldown_s=args.breaker_cooldown_s,
+        latency_target_s=args.latency_target_ms / 1000,
     )
     pool = EnginePool([a for a in args.engines.split(",") if a])
     schedulers = {

@@ -25,6 +25,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Link
 
 from batcher import metrics
+from batcher.adaptive import AdaptiveSizer
 from batcher.core import REASON_CANCELLED, Batch, BucketCore, QueueFull
 from batcher.engines import EngineClient, EnginePool
 from batcher.resilience import BreakerState, CircuitBreaker, HedgeBudget
@@ -57,6 +58,7 @@ class SchedulerConfig:
     batch_timeout_s: float = 30.0
     breaker_failures: int = 3
     breaker_cooldown_s: float = 5.0
+    latency_target_s: float = 0.050  # per batch, for the adaptive sizes
 
 
 @dataclass
@@ -99,6 +101,7 @@ class ModelScheduler:
             on_change=lambda s: metrics.BREAKER_STATE.labels(self.name).set(s.value),
         )
         self.hedges = HedgeBudget(config.hedge_ratio)
+        self.sizer = AdaptiveSizer(self.core, config.latency_target_s, model=entry.name)
         self.latencies = [deque[float](maxlen=256) for _ in entry.buckets]
         self.waiters: dict[int, Waiter] = {}
         self._ids = itertools.count(1)
@@ -322,6 +325,7 @@ class ModelScheduler:
         self.latencies[bucket].append(latency)
         metrics.BATCH_LATENCY.labels(self.name, message.length).observe(latency)
         self.hedges.earn()
+        self._adapt(bucket, message, result)
         outputs = np.frombuffer(result.output, dtype="<f4").reshape(
             len(keys), result.width
         )
@@ -426,6 +430,15 @@ class ModelScheduler:
                 result.gpu_utilization / 100
             )
         return result
+
+    def _adapt(
+        self, bucket: int, message: internal_pb2.Batch, result: internal_pb2.BatchResult
+    ) -> None:
+        """Feed the engine's own timing (not our queueing) to the sizer."""
+        engine_s = (result.copy_in_us + result.compute_us + result.copy_out_us) / 1e6
+        utilization = result.gpu_utilization if result.gpu_utilization >= 0 else None
+        size = self.sizer.report(bucket, message.batch_size, engine_s, utilization)
+        metrics.TARGET_BATCH.labels(self.name, message.length).set(size)
 
     def _hedge_delay(self, bucket: int) -> float:
         delay = self.config.hedge_delay_s

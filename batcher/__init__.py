@@ -1,0 +1,1 @@
+"""Batcher: length-bucketed queues that pack padded token batches for engines."""
