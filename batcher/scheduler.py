@@ -15,6 +15,7 @@ import itertools
 import logging
 import math
 import time
+from array import array
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -117,45 +118,65 @@ class ModelScheduler:
 
     # ---- called by the gateway streams ------------------------------------
 
-    def submit(self, seq: internal_pb2.Sequence, deliver: Deliver) -> int | None:
-        """Queue one sequence; returns its key for cancel, None if refused."""
+    def submit(
+        self, group: internal_pb2.Sequences, deliver: Deliver
+    ) -> list[tuple[int, int]]:
+        """Queue one request's texts, all or none.
+
+        Returns (sequence id, key) pairs for cancel; refused texts are
+        answered at once through ``deliver``.
+        """
         now = time.monotonic()
         refusal = self._refusal()
         if refusal is not None:
-            metrics.SEQUENCES.labels(self.name, "unavailable").inc()
-            deliver(_error(seq.id, grpc.StatusCode.UNAVAILABLE, refusal))
-            return None
-        key = next(self._ids)
-        expires = now + seq.timeout_ms / 1000 if seq.timeout_ms else math.inf
-        try:
-            self.core.push(key, memoryview(seq.token_ids).cast("i"), now, expires)
-        except QueueFull:
-            metrics.SEQUENCES.labels(self.name, "shed").inc()
-            deliver(
-                _error(
-                    seq.id,
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"batcher queue for {self.name!r} is full ({len(self.core)} "
-                    "sequences queued, --queue-capacity); retry later",
-                )
+            self._refuse(
+                group, deliver, grpc.StatusCode.UNAVAILABLE, "unavailable", refusal
             )
-            return None
+            return []
+        keys = array("Q", (next(self._ids) for _ in group.ids))
+        expires = now + group.timeout_ms / 1000 if group.timeout_ms else math.inf
+        try:
+            self.core.push_many(
+                keys,
+                memoryview(group.token_ids).cast("i"),
+                memoryview(group.offsets).cast("i"),
+                now,
+                expires,
+            )
+        except QueueFull:
+            message = (
+                f"batcher queue for {self.name!r} is full ({len(self.core)} "
+                "sequences queued, --queue-capacity); retry later"
+            )
+            self._refuse(
+                group, deliver, grpc.StatusCode.RESOURCE_EXHAUSTED, "shed", message
+            )
+            return []
         except ValueError as exc:
-            metrics.SEQUENCES.labels(self.name, "invalid").inc()
-            deliver(_error(seq.id, grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
-            return None
-        span = TRACER.start_span(
-            "batcher.queue",
-            context=extract(seq.trace_context),
-            attributes={
-                "berth.model": self.name,
-                "berth.tokens": len(seq.token_ids) // 4,
-            },
-        )
-        self.waiters[key] = Waiter(seq.id, deliver, now, span)
+            code = grpc.StatusCode.INVALID_ARGUMENT
+            self._refuse(group, deliver, code, "invalid", str(exc))
+            return []
+        parent = extract(group.trace_context)
+        for reply_id, key in zip(group.ids, keys, strict=True):
+            span = TRACER.start_span(
+                "batcher.queue", context=parent, attributes={"berth.model": self.name}
+            )
+            self.waiters[key] = Waiter(reply_id, deliver, now, span)
         metrics.QUEUE_DEPTH.labels(self.name).set(len(self.core))
         self._wake.set()
-        return key
+        return list(zip(group.ids, keys, strict=True))
+
+    def _refuse(
+        self,
+        group: internal_pb2.Sequences,
+        deliver: Deliver,
+        code: grpc.StatusCode,
+        outcome: str,
+        message: str,
+    ) -> None:
+        metrics.SEQUENCES.labels(self.name, outcome).inc(len(group.ids))
+        for reply_id in group.ids:
+            deliver(_error(reply_id, code, message))
 
     def _refusal(self) -> str | None:
         if not self.pool.serving(self.name):

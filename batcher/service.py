@@ -56,10 +56,11 @@ class BatcherService(internal_pb2_grpc.BatcherServicer):
         async def read() -> None:
             try:
                 async for message in request_iterator:
-                    if message.HasField("sequence"):
-                        self._submit(message.sequence, deliver, queued)
-                    else:
-                        entry = queued.pop(message.cancel.id, None)
+                    if message.HasField("sequences"):
+                        self._submit(message.sequences, deliver, queued)
+                        continue
+                    for seq_id in message.cancel.ids:
+                        entry = queued.pop(seq_id, None)
                         if entry is not None:
                             entry[0].cancel(entry[1])
             finally:
@@ -84,20 +85,20 @@ class BatcherService(internal_pb2_grpc.BatcherServicer):
 
     def _submit(
         self,
-        seq: internal_pb2.Sequence,
+        group: internal_pb2.Sequences,
         deliver: Deliver,
         queued: dict[int, tuple[ModelScheduler, int]],
     ) -> None:
-        scheduler = self.schedulers.get(seq.model)
+        scheduler = self.schedulers.get(group.model)
         if scheduler is None:
-            deliver(
-                internal_pb2.SequenceResult(
-                    id=seq.id,
-                    code=grpc.StatusCode.NOT_FOUND.value[0],
-                    message=f"batcher does not serve model {seq.model!r}",
+            for seq_id in group.ids:
+                deliver(
+                    internal_pb2.SequenceResult(
+                        id=seq_id,
+                        code=grpc.StatusCode.NOT_FOUND.value[0],
+                        message=f"batcher does not serve model {group.model!r}",
+                    )
                 )
-            )
             return
-        key = scheduler.submit(seq, deliver)
-        if key is not None and seq.id not in queued:
-            queued[seq.id] = (scheduler, key)
+        for seq_id, key in scheduler.submit(group, deliver):
+            queued[seq_id] = (scheduler, key)

@@ -33,34 +33,38 @@ class BatcherClient(
         self.ready = asyncio.Event()
 
     async def run(
-        self, model: str, ids: list[np.ndarray], timeout_ms: int
+        self,
+        model: str,
+        ids: list[np.ndarray],
+        timeout_ms: int,
+        trace_context: dict[str, str] | None = None,
     ) -> list[internal_pb2.SequenceResult]:
         """Run every sequence through the model; raises the first failure."""
         keys = [next(self._ids) for _ in ids]
-        futures = [
-            self.send(
-                key,
-                internal_pb2.GatewayMessage(
-                    sequence=internal_pb2.Sequence(
-                        id=key,
-                        model=model,
-                        token_ids=seq.astype("<i4", copy=False).tobytes(),
-                        timeout_ms=timeout_ms,
-                    )
-                ),
+        offsets = np.zeros(len(ids) + 1, dtype="<i4")
+        np.cumsum([len(x) for x in ids], out=offsets[1:])
+        message = internal_pb2.GatewayMessage(
+            sequences=internal_pb2.Sequences(
+                model=model,
+                ids=keys,
+                token_ids=np.concatenate(ids).astype("<i4", copy=False).tobytes(),
+                offsets=offsets.tobytes(),
+                timeout_ms=timeout_ms,
+                trace_context=trace_context or {},
             )
-            for key, seq in zip(keys, ids, strict=True)
-        ]
+        )
+        futures = self.send_many(keys, message)
         try:
             results = await asyncio.gather(*futures)
         except BaseException:
             # The caller went away or one sequence failed: free the rest.
-            for key, future in zip(keys, futures, strict=True):
-                if not future.done():
-                    future.cancel()
-                    self.post(
-                        internal_pb2.GatewayMessage(cancel=internal_pb2.Cancel(id=key))
-                    )
+            left = [k for k, f in zip(keys, futures, strict=True) if not f.done()]
+            for future in futures:
+                future.cancel()
+            if left:
+                self.post(
+                    internal_pb2.GatewayMessage(cancel=internal_pb2.Cancel(ids=left))
+                )
             raise
         for result in results:
             if result.code != 0:

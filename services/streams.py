@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Iterable
 from typing import Any, Generic, TypeVar
@@ -78,13 +79,24 @@ class StreamClient(Generic[Out, In, Item]):
 
     def send(self, key: int, message: Out) -> asyncio.Future[Item]:
         """Send one item; the future resolves with its answer."""
+        return self.send_many([key], message)[0]
+
+    def send_many(self, keys: list[int], message: Out) -> list[asyncio.Future[Item]]:
+        """Send one message carrying several items; a future per item."""
         if self._outbox is None:
             raise Unavailable(f"{self.address} is not connected")
-        future: asyncio.Future[Item] = asyncio.get_running_loop().create_future()
-        self._pending[key] = future
-        future.add_done_callback(lambda _: self._pending.pop(key, None))
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[Item]] = []
+        for key in keys:
+            future: asyncio.Future[Item] = loop.create_future()
+            self._pending[key] = future
+            future.add_done_callback(functools.partial(self._forget, key))
+            futures.append(future)
         self._outbox.put_nowait(message)
-        return future
+        return futures
+
+    def _forget(self, key: int, future: asyncio.Future[Item]) -> None:
+        self._pending.pop(key, None)
 
     def post(self, message: Out) -> None:
         """Send a message that gets no answer (a cancel)."""
