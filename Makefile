@@ -25,9 +25,10 @@ $(VENV)/.installed: pyproject.toml setup.py protos/berth/v1/*.proto batcher/_cor
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
-models: $(REPO)/minilm/berth.json
+models: $(REPO)/minilm/fallback.safetensors
 
-$(REPO)/minilm/berth.json: $(VENV)/.installed
+# The default models and their CPU fallbacks (the fallback is built last).
+$(REPO)/minilm/fallback.safetensors: $(VENV)/.installed
 	$(BERTH) build-models --model-repository $(REPO)
 
 run: venv models

@@ -44,10 +44,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     log = setup_logging("serve")
     repo = Path(args.model_repository)
-    if not (repo / "minilm" / "berth.json").exists() and args.build_models:
-        from services.default_models import build_default_repository
-
-        build_default_repository(repo)
+    if args.build_models and not (repo / "minilm" / "fallback.safetensors").exists():
+        build_models(repo)
     gpus = _gpu_count()
     engines = args.engines or max(1, gpus)
     common = ["--model-repository", str(repo)]
@@ -241,11 +239,18 @@ def cmd_health(args: argparse.Namespace) -> int:
     return 0 if status == "SERVING" else 1
 
 
-def cmd_build_models(args: argparse.Namespace) -> int:
+def build_models(root: Path, force: bool = False) -> list[Path]:
+    """The default models, then every model's CPU fallback (level 3)."""
+    from engine.fallback_build import build_fallbacks
     from services.default_models import build_default_repository
 
+    built = build_default_repository(root, force=force)
+    return built + build_fallbacks(root, force=force)
+
+
+def cmd_build_models(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    for path in build_default_repository(Path(args.model_repository), force=args.force):
+    for path in build_models(Path(args.model_repository), force=args.force):
         print(path)
     return 0
 

@@ -17,12 +17,12 @@ from tests.stack import Stack
 def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default model repository: the one `make` built, else a fresh one."""
     configured = os.environ.get("BERTH_MODEL_REPOSITORY")
-    if configured and (Path(configured) / "minilm" / "berth.json").exists():
+    if configured and (Path(configured) / "minilm" / "fallback.safetensors").exists():
         return Path(configured)
-    from services.default_models import build_default_repository
+    from services.cli import build_models
 
     root = tmp_path_factory.mktemp("model_repository")
-    build_default_repository(root)
+    build_models(root)
     return root
 
 
