@@ -77,6 +77,11 @@ class TorchBackend:
             "loading model %s on torch %s as %s", entry.name, self.device, self.dtype
         )
         model = load_served_model(entry, self.torch_device, self.dtype)
+        if entry.quantize != "none":
+            from engine.quant import quantize_for_entry
+
+            log.info("quantizing %s to %s (calibrating)", entry.name, entry.quantize)
+            quantize_for_entry(model, entry, self.torch_device)
         self._models[entry.name] = model
 
     def width(self, model: str) -> int:

@@ -24,6 +24,7 @@ MAX_TOKENS_CAP = 1024
 DEFAULT_BUCKETS = (32, 64, 128, 256, 512, 1024)
 TASKS = ("embed", "classify")
 POOLINGS = ("mean", "cls")
+QUANTIZE = ("none", "int8", "fp8")
 
 
 class RepositoryError(ValueError):
@@ -47,6 +48,9 @@ class ModelEntry:
     buckets: list[int] = field(default_factory=lambda: list(DEFAULT_BUCKETS))
     max_tokens: int = MAX_TOKENS_CAP
     backend: str = "torch"
+    # "none", "int8" (CPU torch, onnxruntime, TensorRT) or "fp8" (CUDA torch);
+    # calibrated on engine/data/calibration_texts.txt when the model loads.
+    quantize: str = "none"
     # Filled in by load_repository, never written.
     root: str = ""
 
@@ -96,6 +100,8 @@ def load_entry(entry_dir: Path) -> ModelEntry:
         raise RepositoryError(f"{config_file}: task must be one of {TASKS}")
     if entry.pooling not in POOLINGS:
         raise RepositoryError(f"{config_file}: pooling must be one of {POOLINGS}")
+    if entry.quantize not in QUANTIZE:
+        raise RepositoryError(f"{config_file}: quantize must be one of {QUANTIZE}")
     if entry.task == "classify" and (entry.head is None or entry.labels is None):
         raise RepositoryError(f"{config_file}: a classify model needs head and labels")
     if not entry.tokenizer_file.is_file():

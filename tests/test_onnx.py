@@ -1,0 +1,101 @@
+"""ONNX export of berth's models, checked with onnxruntime; the onnxruntime backend."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("onnxruntime")
+
+from engine import calibration  # noqa: E402
+from engine.backend import BackendError, create_backend  # noqa: E402
+from engine.model import load_served_model  # noqa: E402
+from engine.onnx_backend import OnnxRuntimeBackend  # noqa: E402
+from engine.onnx_export import (  # noqa: E402
+    compare_with_torch,
+    export_entry,
+    model_fingerprint,
+)
+from engine.torch_backend import TorchBackend  # noqa: E402
+from services.repository import ModelEntry, load_repository  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def entries(repository: Path) -> dict[str, ModelEntry]:
+    return load_repository(repository)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("berth-cache")
+
+
+def _batches(entry: ModelEntry, count: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    texts = calibration.evaluation_texts()[:count]
+    batches = calibration.text_batches(entry.tokenizer_file, texts, [16, 64, 256], 24)
+    return [(b.ids, b.lengths) for b in batches]
+
+
+def test_export_matches_torch(entries: dict[str, ModelEntry], cache: Path) -> None:
+    entry = entries["minilm"]
+    path = export_entry(entry, cache)
+    model = load_served_model(entry)
+    batches = _batches(entry, 96)
+    # Shapes the export never saw: one row, two tokens; padding rows (length 0).
+    ids = np.zeros((3, 2), dtype=np.int32)
+    ids[0] = [101, 102]
+    batches.append((ids, np.array([2, 0, 0], dtype=np.int32)))
+    max_diff, min_cos = compare_with_torch(model, path, batches)
+    print(
+        f"onnxruntime vs torch (minilm): max |diff| {max_diff:.2e}, min cos {min_cos}"
+    )
+    assert min_cos >= 0.9999
+    assert max_diff < 1e-4
+
+
+def test_export_is_cached_by_fingerprint(
+    entries: dict[str, ModelEntry], cache: Path
+) -> None:
+    entry = entries["minilm"]
+    first = export_entry(entry, cache)
+    mtime = first.stat().st_mtime_ns
+    assert export_entry(entry, cache) == first
+    assert first.stat().st_mtime_ns == mtime
+    cls_pooled = dataclasses.replace(entry, pooling="cls")
+    assert model_fingerprint(cls_pooled) != model_fingerprint(entry)
+
+
+def test_onnx_backend_matches_torch_backend(
+    entries: dict[str, ModelEntry], cache: Path
+) -> None:
+    entry = entries["intent"]
+    onnx = OnnxRuntimeBackend("cpu", threads=2, cache=cache)
+    onnx.load(entry)
+    torch_backend = TorchBackend("cpu")
+    torch_backend.load(entry)
+    assert onnx.width("intent") == torch_backend.width("intent") == 157
+    for ids, lengths in _batches(entry, 64):
+        got = onnx.run("intent", ids, lengths)
+        want = torch_backend.run("intent", ids, lengths)
+        assert got.dtype == np.float32 and got.shape == want.shape
+        np.testing.assert_allclose(got, want, atol=1e-5)
+        assert (got.argmax(axis=1) == want.argmax(axis=1)).all()
+
+
+def test_onnx_backend_selection() -> None:
+    backend = create_backend("onnxruntime", "cpu")
+    assert backend.name == "onnxruntime" and backend.device == "cpu"
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        with pytest.raises(BackendError, match="CUDA execution provider"):
+            create_backend("onnxruntime", "cuda")
+
+
+def test_onnx_backend_rejects_unknown_model() -> None:
+    backend = OnnxRuntimeBackend("cpu", threads=1)
+    with pytest.raises(BackendError, match="not loaded"):
+        backend.width("nope")

@@ -1,0 +1,221 @@
+"""Quantization: scale arithmetic, the INT8 and FP8 linears, calibration, accuracy."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from engine import calibration, quant
+from engine.encoder import Encoder, EncoderConfig
+from engine.model import ServedModel, load_served_model
+from services.repository import ModelEntry, load_repository
+
+TINY = EncoderConfig("bert", 200, 64, 2, 4, 128, 64, "gelu", 1e-12, 0)
+
+
+def _tiny_model() -> ServedModel:
+    torch.manual_seed(0)
+    entry = ModelEntry(name="tiny", task="embed", checkpoint="")
+    return ServedModel(entry, Encoder(TINY)).eval().requires_grad_(False)
+
+
+def _tiny_batches(count: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    return [
+        (
+            torch.randint(1, 200, (4, 16), generator=gen, dtype=torch.int32),
+            torch.tensor([16, 9, 3, 0], dtype=torch.int32),
+        )
+        for _ in range(count)
+    ]
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1)
+
+
+# ---- the calibration texts -------------------------------------------------
+
+
+def test_calibration_texts_are_real_and_disjoint() -> None:
+    calib, held_out = calibration.calibration_texts(), calibration.evaluation_texts()
+    assert len(calib) == calibration.CALIBRATION_COUNT
+    assert len(held_out) >= 500
+    assert not set(calib) & set(held_out)
+    assert all(t.strip() and not t.startswith("#") for t in calib + held_out)
+    assert len({len(t.split()) for t in held_out}) > 30  # varied lengths
+
+
+def test_pad_batches_groups_by_bucket_and_restores_order() -> None:
+    seqs = [[1] * n for n in (3, 9, 4, 17, 1)]
+    batches = calibration.pad_batches(seqs, [4, 8, 32], batch_size=2)
+    assert [b.ids.shape for b in batches] == [(2, 4), (1, 4), (2, 32)]
+    for b in batches:
+        assert b.ids.dtype == np.int32 and b.lengths.dtype == np.int32
+        for row, length in enumerate(b.lengths):
+            assert b.ids[row, :length].all() and not b.ids[row, length:].any()
+    outputs = (b.lengths[:, None].astype(np.float32) for b in batches)
+    restored = calibration.gather_rows(batches, outputs)
+    assert restored[:, 0].tolist() == [3, 9, 4, 17, 1]
+    with pytest.raises(ValueError, match="truncate"):
+        calibration.pad_batches([[1] * 40], [32], 2)
+
+
+# ---- scale arithmetic (the reference for the GPU path) ---------------------
+
+
+def test_weight_scales_map_row_max_to_the_format_max() -> None:
+    w = torch.tensor([[1.0, -4.0, 2.0], [0.5, 0.25, -0.125], [0.0, 0.0, 0.0]])
+    assert torch.allclose(quant.int8_weight_scales(w)[:2], torch.tensor([4, 0.5]) / 127)
+    assert torch.allclose(quant.fp8_weight_scales(w)[:2], torch.tensor([4, 0.5]) / 448)
+    assert (quant.fp8_weight_scales(w) > 0).all()  # an all-zero row: no 0/0
+    w8, scales = quant.fp8_weight(w)
+    assert w8.dtype == torch.float8_e4m3fn
+    assert w8.float()[0].abs().max() == 448.0
+    assert torch.allclose(w8.float() * scales[:, None], w, rtol=2**-4)
+
+
+def test_e4m3_saturates_instead_of_nan() -> None:
+    x = torch.tensor([1e6, -1e6, 0.0, 1.0, float("inf")])
+    q = quant.quantize_e4m3(x, torch.tensor(1.0)).float()
+    assert q.tolist() == [448.0, -448.0, 0.0, 1.0, 448.0]
+    assert quant.fp8_input_scale(448.0) == 1.0
+    assert quant.fp8_input_scale(0.0) > 0
+
+
+def test_smoothing_moves_input_outliers_into_weights() -> None:
+    x_max = torch.tensor([100.0, 1.0, 1.0])
+    w = torch.ones(4, 3)
+    s = quant.smoothing_factors(x_max, w, alpha=0.5)
+    assert torch.allclose(s, torch.tensor([10.0, 1.0, 1.0]))
+
+
+# ---- the layers ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rowwise", [True, False])
+def test_fp8_linear_matches_linear(rowwise: bool) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 32)
+    x = torch.randn(5, 7, 64)
+    fp8 = quant.Fp8Linear(linear, float(x.abs().max()), rowwise, torch.float32)
+    with torch.inference_mode():
+        got, want = fp8(x), linear(x)
+    assert got.shape == want.shape == (5, 7, 32)
+    assert _cos(got, want).min() > 0.995
+    assert fp8.weight8.dtype == torch.float8_e4m3fn
+    assert fp8.weight_scale.shape == (1, 32)  # one per output channel
+
+
+def test_fp8_linear_refuses_shapes_scaled_mm_cannot_take() -> None:
+    with pytest.raises(ValueError, match="multiples of 16"):
+        quant.Fp8Linear(nn.Linear(24, 32), 1.0)
+
+
+def test_int8_linear_matches_linear() -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48)
+    x = torch.randn(3, 10, 64)
+    for smooth in (None, torch.rand(64) + 0.5):
+        int8 = quant.Int8DynamicLinear(linear, smooth)
+        with torch.inference_mode():
+            got, want = int8(x), linear(x)
+        assert got.shape == want.shape and got.dtype == torch.float32
+        assert _cos(got, want).min() > 0.995
+
+
+def test_record_input_amax_sees_every_linear_and_cleans_up() -> None:
+    model = _tiny_model()
+    amax = quant.record_input_amax(model, _tiny_batches())
+    names = [name for name, _ in quant.encoder_linears(model)]
+    assert sorted(amax) == sorted(names) and len(names) == 4 * TINY.num_layers
+    assert all(
+        a.shape == (m.in_features,)
+        for (_, m), a in zip(
+            quant.encoder_linears(model), (amax[n] for n in names), strict=True
+        )
+    )
+    for _, module in quant.encoder_linears(model):
+        assert not module._forward_pre_hooks
+    with pytest.raises(ValueError, match="at least one batch"):
+        quant.record_input_amax(model, [])
+
+
+def test_quantize_int8_replaces_encoder_linears_only() -> None:
+    model = _tiny_model()
+    reference = copy.deepcopy(model)
+    assert quant.quantize_int8_cpu(model, _tiny_batches()) == 4 * TINY.num_layers
+    assert not quant.encoder_linears(model)
+    ids, lengths = _tiny_batches(1)[0]
+    with torch.inference_mode():
+        got, want = model(ids, lengths), reference(ids, lengths)
+    assert _cos(got[:3], want[:3]).min() > 0.99
+    assert torch.isfinite(got).all()
+
+
+def test_quantize_fp8_on_the_reference_path() -> None:
+    model = _tiny_model()
+    reference = copy.deepcopy(model)
+    assert quant.quantize_fp8(model, _tiny_batches()) == 4 * TINY.num_layers
+    assert isinstance(model.get_submodule("encoder.layers.0.ffn_in"), quant.Fp8Linear)
+    norm = model.get_submodule("encoder.layers.0.norm1")
+    assert isinstance(norm, nn.LayerNorm) and norm.weight.dtype == torch.bfloat16
+    ids, lengths = _tiny_batches(1)[0]
+    with torch.inference_mode():
+        got, want = model(ids, lengths), reference(ids, lengths)
+    assert got.dtype == torch.float32  # pooling upcasts
+    assert _cos(got[:3], want[:3]).min() > 0.98
+
+
+def test_quantize_for_entry_checks_mode_and_device() -> None:
+    entry: Any = SimpleNamespace(name="m", quantize="none")
+    assert quant.quantize_for_entry(_tiny_model(), entry, torch.device("cpu")) == "none"
+    entry.quantize = "fp8"
+    with pytest.raises(ValueError, match="runs on cuda"):
+        quant.quantize_for_entry(_tiny_model(), entry, torch.device("cpu"))
+    entry.quantize = "int4"
+    with pytest.raises(ValueError, match="must be one of"):
+        quant.quantize_for_entry(_tiny_model(), entry, torch.device("cpu"))
+
+
+# ---- accuracy on the default intent model ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def intent(repository: Path) -> ModelEntry:
+    return load_repository(repository)["intent"]
+
+
+def _outputs(model: nn.Module, batches: list[calibration.TokenBatch]) -> np.ndarray:
+    with torch.inference_mode():
+        parts = (
+            model(torch.from_numpy(b.ids), torch.from_numpy(b.lengths)).float().numpy()
+            for b in batches
+        )
+        return calibration.gather_rows(batches, parts)
+
+
+def test_int8_keeps_intent_answers(intent: ModelEntry) -> None:
+    """Full numbers: benchmarks/quant_cpu.py (784 texts, 98.3 % agreement)."""
+    texts = calibration.evaluation_texts()[:160]
+    batches = calibration.text_batches(intent.tokenizer_file, texts, [32, 64, 256], 32)
+    model = load_served_model(intent)
+    reference = _outputs(model, batches)
+    entry: Any = SimpleNamespace(
+        name=intent.name,
+        quantize="int8",
+        buckets=intent.buckets,
+        tokenizer_file=intent.tokenizer_file,
+    )
+    assert quant.quantize_for_entry(model, entry, torch.device("cpu")) == "int8"
+    quantized = _outputs(model, batches)
+    agreement = (quantized.argmax(1) == reference.argmax(1)).mean()
+    print(f"int8 intent agreement on {len(texts)} texts: {agreement:.4f}")
+    assert agreement >= 0.95
