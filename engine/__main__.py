@@ -7,6 +7,7 @@ import asyncio
 import signal
 
 from engine.backend import create_backend
+from engine.cuda_graphs import bucket_shapes
 from engine.service import EngineService
 from services.config import DEFAULT_ENGINE_PORT, add_flag, repository_flag
 from services.logs import setup_logging
@@ -24,6 +25,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_flag(parser, "backend", "torch", "inference backend")
     add_flag(parser, "device", "auto", "cpu, cuda, cuda:N or auto")
     add_flag(parser, "models", "", "comma-separated models to serve (default: all)")
+    # The batcher's limits (same flags and defaults): they bound the batch
+    # shapes that can arrive, so the engine captures a CUDA graph for each.
+    add_flag(parser, "max-batch", 256, "the batcher's max rows per batch")
+    add_flag(parser, "token-budget", 16384, "the batcher's max padded tokens per batch")
     add_flag(
         parser, "drain-timeout-s", 30.0, "on SIGTERM, how long in-flight work may take"
     )
@@ -64,7 +69,10 @@ async def main(args: argparse.Namespace) -> None:
             backend.name,
         )
         await asyncio.to_thread(backend.load, entry)
-        shapes = [(1, length) for length in entry.buckets]
+        if backend.device == "cpu":  # eager: one small warm-up per length
+            shapes = [(1, length) for length in entry.buckets]
+        else:  # every shape the batcher may send, before SERVING
+            shapes = bucket_shapes(entry.buckets, args.max_batch, args.token_budget)
         await asyncio.to_thread(backend.warmup, name, shapes)
     service.ready = True
     await server.set_serving(True)

@@ -19,8 +19,14 @@ from services.repository import ModelEntry
 log = logging.getLogger("berth.engine")
 
 # name -> "module:Class"; a class is built as Class(device=device).
+# "torch" is eager on the CPU and CUDA graphs + pinned I/O on a GPU;
+# "torch-eager" is plain eager torch on either.
 BACKENDS: dict[str, str] = {
-    "torch": "engine.torch_backend:TorchBackend",
+    "torch": "engine.cuda_backend:torch_backend",
+    "torch-cuda": "engine.cuda_backend:CudaBackend",
+    "torch-eager": "engine.torch_backend:TorchBackend",
+    "onnxruntime": "engine.onnx_backend:OnnxRuntimeBackend",
+    "tensorrt": "engine.tensorrt_backend:TensorRTBackend",
 }
 # The order "auto" tries them in.
 PREFERENCE: tuple[str, ...] = ("torch",)

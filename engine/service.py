@@ -18,6 +18,7 @@ import numpy as np
 
 from engine import metrics
 from engine.backend import Backend
+from engine.gpu_stats import open_gpu_stats
 from services.proto.berth.v1 import internal_pb2, internal_pb2_grpc
 from services.repository import ModelEntry
 from services.telemetry import extract, record_error, tracer
@@ -37,6 +38,7 @@ class EngineService(internal_pb2_grpc.EngineServicer):
         self.failures = 0
         self.ready = False  # set once every model is loaded and warmed up
         self.failing = False  # chaos: fail every batch (toggled by SIGUSR1)
+        self.gpu = open_gpu_stats(backend.device)  # NVML reader; None on the CPU
 
     async def Info(
         self, request: internal_pb2.EngineInfoRequest, context: grpc.aio.ServicerContext
@@ -114,33 +116,55 @@ class EngineService(internal_pb2_grpc.EngineServicer):
             raise RuntimeError("fault injected (SIGUSR1 toggles it; --chaos)")
         if batch.model not in self.models:
             raise KeyError(f"engine does not serve model {batch.model!r}")
-        t0 = time.perf_counter()
-        with TRACER.start_as_current_span("engine.copy_in"):
-            ids = np.frombuffer(batch.token_ids, dtype="<i4").reshape(
-                batch.batch_size, batch.length
-            )
-            lengths = np.frombuffer(batch.lengths, dtype="<i4")
-        t1 = time.perf_counter()
-        with TRACER.start_as_current_span("engine.compute"):
-            output = self.backend.run(batch.model, ids, lengths)
-        t2 = time.perf_counter()
-        with TRACER.start_as_current_span("engine.copy_out"):
-            data = np.ascontiguousarray(output, dtype="<f4").tobytes()
-        t3 = time.perf_counter()
+        run_bytes = getattr(self.backend, "run_bytes", None)
+        if run_bytes is not None:
+            # The backend writes the bytes straight into its pinned buffers and
+            # times copy in, compute and copy out on the device.
+            with TRACER.start_as_current_span("engine.compute"):
+                output, stages = run_bytes(
+                    batch.model,
+                    batch.token_ids,
+                    batch.lengths,
+                    batch.batch_size,
+                    batch.length,
+                )
+            with TRACER.start_as_current_span("engine.copy_out"):
+                data = np.ascontiguousarray(output, dtype="<f4").tobytes()
+        else:
+            t0 = time.perf_counter()
+            with TRACER.start_as_current_span("engine.copy_in"):
+                ids = np.frombuffer(batch.token_ids, dtype="<i4").reshape(
+                    batch.batch_size, batch.length
+                )
+                lengths = np.frombuffer(batch.lengths, dtype="<i4")
+            t1 = time.perf_counter()
+            with TRACER.start_as_current_span("engine.compute"):
+                output = self.backend.run(batch.model, ids, lengths)
+            t2 = time.perf_counter()
+            with TRACER.start_as_current_span("engine.copy_out"):
+                data = np.ascontiguousarray(output, dtype="<f4").tobytes()
+            stages = (t1 - t0, t2 - t1, time.perf_counter() - t2)
+        copy_in, compute, copy_out = stages
         for stage, seconds in (
-            ("copy_in", t1 - t0),
-            ("compute", t2 - t1),
-            ("copy_out", t3 - t2),
+            ("copy_in", copy_in),
+            ("compute", compute),
+            ("copy_out", copy_out),
         ):
             metrics.STAGE_SECONDS.labels(batch.model, stage).observe(seconds)
+        utilization, memory = -1.0, 0
+        if self.gpu is not None:
+            utilization, memory = self.gpu.sample()
+            metrics.GPU_UTILIZATION.set(max(utilization, 0.0) / 100)
+            metrics.GPU_MEMORY_USED.set(memory)
         return internal_pb2.BatchResult(
             id=batch.id,
             output=data,
             width=output.shape[1],
-            copy_in_us=int((t1 - t0) * 1e6),
-            compute_us=int((t2 - t1) * 1e6),
-            copy_out_us=int((t3 - t2) * 1e6),
-            gpu_utilization=-1.0,
+            copy_in_us=int(copy_in * 1e6),
+            compute_us=int(compute * 1e6),
+            copy_out_us=int(copy_out * 1e6),
+            gpu_utilization=utilization,
+            gpu_memory_used=memory,
         )
 
     def toggle_failing(self) -> None:

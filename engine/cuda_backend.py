@@ -1,0 +1,341 @@
+"""The torch backend on a GPU: fp16 weights, fused kernels, a CUDA graph per
+bucket shape, and pinned, device-mapped host buffers for the batch bytes.
+
+``create_backend("torch", "cuda:0")`` returns a :class:`CudaBackend`
+(:func:`torch_backend` picks by device); ``torch-eager`` keeps plain eager
+torch on any device. Settings from the environment:
+
+- ``BERTH_CUDA_DTYPE``: ``float16`` (default) or ``bfloat16`` weights;
+- ``BERTH_CUDA_INPUT``: ``zero-copy`` (default: the graph reads the mapped
+  pinned input and writes the mapped pinned output itself, one graph per
+  slot) or ``staging`` (async copies from and to the pinned buffers around
+  each replay); benchmarks/engine.py measures both: zero-copy wins end to
+  end on small batches (fewer host calls) and ties on large ones;
+- ``BERTH_EXACT_GELU=1``: erf GELU after the matmul instead of the tanh form
+  in the cuBLASLt epilogue.
+
+One batch: validate and write the wire bytes into a pinned slot, pad to the
+next captured batch size, enqueue (copy in, replay, copy out) on the
+engine's stream, wait. ``submit``/``collect`` split that in two, so a caller
+may fill the next slot while the GPU runs this one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.backend import Backend, BackendError
+from engine.cuda_graphs import Buffers, GraphCache, io_views
+from engine.fused import FusedForward
+from engine.model import ServedModel
+from engine.pinned import Slot, SlotRing
+from engine.torch_backend import TorchBackend, check_batch, resolve_device
+from services.repository import ModelEntry
+
+log = logging.getLogger("berth.engine")
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+INPUT_MODES = ("staging", "zero-copy")
+DEFAULT_INPUT = "zero-copy"  # faster end to end: benchmarks/engine.py, notes/gpu.md
+SLOTS = 2  # double buffering
+MAX_ROWS = 256  # the batcher's max_batch default: pinned slots hold this many rows
+
+Times = tuple[float, float, float]  # seconds: copy in, compute, copy out
+
+
+def torch_backend(device: str = "auto") -> Backend:
+    """The "torch" backend: graphs and pinned I/O on a GPU, eager on the CPU."""
+    if resolve_device(device).type == "cuda":
+        return CudaBackend(device)
+    return TorchBackend(device)
+
+
+@dataclass
+class Ticket:
+    """A submitted batch: where its output will land."""
+
+    slot: Slot
+    rows: int
+    width: int
+
+
+class ModelRunner:
+    """One model on the GPU: fused forward, its graphs, its pinned slots."""
+
+    def __init__(
+        self, served: ServedModel, backend: CudaBackend, gelu_epilogue: bool
+    ) -> None:
+        self.forward = FusedForward(served, gelu_epilogue=gelu_epilogue)
+        self.width = served.width
+        self.vocab = served.encoder.config.vocab_size
+        self.max_length = served.encoder.embeddings.max_length
+        self.zero_copy = backend.input_mode == "zero-copy"
+        self.stream = backend.stream
+        self.device = backend.torch_device
+        self.graphs = GraphCache(self.step, backend.stream, backend.pool)
+        self.rows = 0  # pinned slots are sized at the first capture or batch
+
+    def allocate(self, rows: int) -> None:
+        """Pinned slots and the device input buffer for batches of up to rows."""
+        if rows <= self.rows:
+            return
+        if len(self.graphs):
+            raise BackendError(
+                f"graphs read {self.rows}-row buffers; a {rows}-row batch needs "
+                "the engine restarted with a larger --max-batch"
+            )
+        io_size = rows * (self.max_length + 1)
+        slots = [Slot(io_size, rows * self.width, self.device) for _ in range(SLOTS)]
+        self.ring = SlotRing(slots)
+        self.device_io = torch.zeros(io_size, dtype=torch.int32, device=self.device)
+        self.rows = rows
+
+    def step(
+        self, io: torch.Tensor, out: torch.Tensor | None, batch: int, length: int
+    ) -> torch.Tensor:
+        """What a graph runs: one batch's io buffer -> float32 [B, width], into
+        out when given (zero-copy: the mapped pinned output)."""
+        if self.zero_copy:
+            io = io.to(torch.int64)  # one coalesced read of the mapped host buffer
+        ids, lengths = io_views(io, batch, length)
+        result = self.forward(ids, lengths)
+        if out is None:
+            return result
+        target = out[: batch * self.width].view(batch, self.width)
+        return torch.mul(result, 1.0, out=target)  # a kernel's writes, over PCIe
+
+    def capture(self, shapes: list[tuple[int, int]]) -> None:
+        fits = [(b, n) for b, n in shapes if n <= self.max_length]
+        self.allocate(max([MAX_ROWS, *(b for b, _ in fits)]))
+        buffers: list[Buffers]
+        if self.zero_copy:
+            buffers = [(slot.io_cuda, slot.out_cuda) for slot in self.ring.slots]
+        else:
+            buffers = [(self.device_io, None)]
+        with torch.inference_mode(), torch.cuda.stream(self.stream):
+            for batch, length in fits:  # the faster attention kernel per shape
+                self.forward.choose_attention(batch, length)
+            self.graphs.capture(buffers, fits)
+
+    def submit(
+        self, ids: np.ndarray, lengths: np.ndarray, rows: int, length: int
+    ) -> Ticket:
+        # 1. Validate what could crash a kernel: ids index the embedding table.
+        _check_values(ids, lengths, length, self.vocab)
+        if length > self.max_length:
+            raise ValueError(
+                f"sequence length {length} is over the model's {self.max_length} "
+                "positions"
+            )
+        self.allocate(max(rows, MAX_ROWS))
+        # 2. The graph: the smallest captured batch that holds these rows.
+        padded = self.graphs.padded_batch(rows, length)
+        index, slot = self.ring.take()
+        try:
+            self._enqueue(index, slot, ids, lengths, rows, length, padded)
+        except BaseException:
+            slot.busy = False
+            raise
+        return Ticket(slot, rows, self.width)
+
+    def _enqueue(
+        self,
+        index: int,
+        slot: Slot,
+        ids: np.ndarray,
+        lengths: np.ndarray,
+        rows: int,
+        length: int,
+        padded: int | None,
+    ) -> None:
+        # 3. The wire bytes into pinned memory: ids, then lengths (0 for padding).
+        batch = padded or rows
+        tokens = batch * length
+        slot.io[: rows * length] = ids
+        slot.io[rows * length : tokens] = 0
+        slot.io[tokens : tokens + rows] = lengths
+        slot.io[tokens + rows : tokens + batch] = 0
+        # 4. Copy in, compute, copy out: queued on the engine's stream.
+        copy_in, compute, computed, copied = slot.events
+        slot.staged = not self.zero_copy
+        with torch.cuda.stream(self.stream):
+            if padded is not None and self.zero_copy:  # the graph does all three
+                compute.record()
+                self.graphs.replay(index, batch, length)
+                copied.record()
+                return
+            copy_in.record()
+            source = slot.io_cuda if self.zero_copy else self.device_io
+            if not self.zero_copy:
+                source[: tokens + batch].copy_(
+                    slot.io_cpu[: tokens + batch], non_blocking=True
+                )
+            compute.record()
+            if padded is not None:
+                output = self.graphs.replay(0, batch, length)
+            else:  # a shape with no graph: eager, same kernels
+                target = slot.out_cuda if self.zero_copy else None
+                with torch.inference_mode():
+                    output = self.step(source[: tokens + batch], target, batch, length)
+            computed.record()
+            if not self.zero_copy:
+                out = slot.out_cpu[: rows * self.width].view(rows, self.width)
+                out.copy_(output[:rows], non_blocking=True)
+            copied.record()
+            slot.staged = True
+
+
+def collect(ticket: Ticket) -> tuple[np.ndarray, Times]:
+    """Wait for a submitted batch; its output is valid until its slot is reused."""
+    slot = ticket.slot
+    slot.events[-1].synchronize()
+    times = slot.times()
+    slot.busy = False
+    return slot.out[: ticket.rows * ticket.width].reshape(
+        ticket.rows, ticket.width
+    ), times
+
+
+def _check_values(
+    ids: np.ndarray, lengths: np.ndarray, length: int, vocab: int
+) -> None:
+    if _outside(ids, vocab):
+        raise ValueError(
+            f"token ids must lie in [0, {vocab}), got {ids.min()} to {ids.max()}"
+        )
+    if _outside(lengths, length + 1):
+        raise ValueError(
+            f"lengths must lie in [0, {length}], got {lengths.min()} to {lengths.max()}"
+        )
+
+
+def _outside(values: np.ndarray, end: int) -> bool:
+    """Any value outside [0, end); int32 in one pass (negatives are huge as uint32)."""
+    if not values.size:
+        return False
+    if values.dtype == np.int32:
+        return bool(values.view(np.uint32).max() >= end)
+    return bool(values.min() < 0 or values.max() >= end)
+
+
+class CudaBackend(TorchBackend):
+    """Serves models on one GPU from CUDA graphs fed through pinned buffers."""
+
+    name = "torch-cuda"
+
+    def __init__(
+        self,
+        device: str = "cuda",
+        dtype: torch.dtype | None = None,
+        input_mode: str | None = None,
+        gelu_epilogue: bool | None = None,
+    ) -> None:
+        dtype_name = os.environ.get("BERTH_CUDA_DTYPE", "float16")
+        if dtype is None and dtype_name not in DTYPES:
+            raise ValueError(
+                f"BERTH_CUDA_DTYPE={dtype_name!r}: use one of {list(DTYPES)}"
+            )
+        super().__init__(device, dtype or DTYPES[dtype_name])
+        if self.torch_device.type != "cuda":
+            raise ValueError(f"{self.name} needs a CUDA device, got {device!r}")
+        self.input_mode = input_mode or os.environ.get(
+            "BERTH_CUDA_INPUT", DEFAULT_INPUT
+        )
+        if self.input_mode not in INPUT_MODES:
+            raise ValueError(
+                f"input mode {self.input_mode!r}: use one of {INPUT_MODES}"
+            )
+        if gelu_epilogue is None:
+            gelu_epilogue = os.environ.get("BERTH_EXACT_GELU", "") not in ("1", "true")
+        self.gelu_epilogue = gelu_epilogue
+        torch.cuda.set_device(self.torch_device)
+        self.stream = torch.cuda.Stream(self.torch_device)
+        self.pool = torch.cuda.graph_pool_handle()
+        self._runners: dict[str, ModelRunner] = {}
+        props = torch.cuda.get_device_properties(self.torch_device)
+        log.info(
+            "torch-cuda on %s (%s, %d SMs, %.0f GiB): %s weights, %s inputs, GELU %s",
+            self.device,
+            props.name,
+            props.multi_processor_count,
+            props.total_memory / 2**30,
+            str(self.dtype).removeprefix("torch."),
+            self.input_mode,
+            "tanh, in the matmul epilogue"
+            if gelu_epilogue
+            else "exact, after the matmul",
+        )
+
+    # The interface.
+
+    def load(self, entry: ModelEntry) -> None:
+        super().load(entry)
+        runner = ModelRunner(self.model(entry.name), self, self.gelu_epilogue)
+        self._runners[entry.name] = runner
+        log.info(
+            "model %s on %s: attention kernels %s (the faster per shape)",
+            entry.name,
+            self.device,
+            ", ".join(runner.forward.kinds),
+        )
+
+    def warmup(self, model: str, shapes: list[tuple[int, int]]) -> None:
+        """Capture a graph per shape (largest first); done before SERVING."""
+        runner = self.runner(model)
+        start = time.perf_counter()
+        runner.capture(shapes)
+        torch.cuda.synchronize(self.torch_device)
+        torch.cuda.empty_cache()  # the eager warm-ups' blocks; graphs keep their pool
+        chosen = list(runner.forward.chosen.values())
+        log.info(
+            "model %s: %d CUDA graphs captured for %d shapes (%s inputs, pinned "
+            "memory from %s) in %.2f s; %.0f MiB reserved on %s; attention %s",
+            model,
+            len(runner.graphs),
+            len(set(shapes)),
+            self.input_mode,
+            runner.ring.slots[0].allocator,
+            time.perf_counter() - start,
+            torch.cuda.memory_reserved(self.torch_device) / 2**20,
+            self.device,
+            ", ".join(f"{k} on {chosen.count(k)} shapes" for k in sorted(set(chosen))),
+        )
+
+    def run(self, model: str, token_ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        check_batch(token_ids, lengths)
+        rows, length = token_ids.shape
+        ticket = self.runner(model).submit(token_ids.reshape(-1), lengths, rows, length)
+        output, _ = collect(ticket)
+        return output.copy()
+
+    def run_bytes(
+        self, model: str, token_ids: bytes, lengths: bytes, batch: int, length: int
+    ) -> tuple[np.ndarray, Times]:
+        """A batch straight from the wire; the output is a view of a pinned slot,
+        valid until that slot is reused (two batches later)."""
+        return collect(self.submit(model, token_ids, lengths, batch, length))
+
+    # Pipelining: fill slot n+1 while slot n computes.
+
+    def submit(
+        self, model: str, token_ids: bytes, lengths: bytes, batch: int, length: int
+    ) -> Ticket:
+        ids = np.frombuffer(token_ids, dtype="<i4")
+        lens = np.frombuffer(lengths, dtype="<i4")
+        if ids.size != batch * length or lens.size != batch:
+            raise ValueError(
+                f"batch {batch}x{length} needs {batch * length} ids and {batch} "
+                f"lengths, got {ids.size} and {lens.size}"
+            )
+        return self.runner(model).submit(ids, lens, batch, length)
+
+    def runner(self, model: str) -> ModelRunner:
+        """The GPU state of one loaded model (graphs, slots)."""
+        self.model(model)  # raises BackendError naming the loaded models
+        return self._runners[model]

@@ -1,0 +1,223 @@
+"""A served model's forward pass with fused GPU kernels: what the graphs capture.
+
+It computes what :class:`engine.model.ServedModel` computes, from the same
+modules and weights, in fewer passes over device memory (engine/kernels.py):
+
+- embeddings: gather, add and LayerNorm in one Triton kernel;
+- attention: no mask tensor, each row's keys cut at its length, by whichever
+  kernel is faster for the shape, measured at capture (``choose_attention``):
+  torch's flash attention (varlen, ``seqused_k``) or berth's Triton kernel;
+  SDPA with the boolean key mask where neither runs;
+- feed-forward: bias and GELU in the cuBLASLt epilogue of the first matmul
+  (tanh-form GELU; ``gelu_epilogue=False`` keeps the exact erf form);
+- residual add and LayerNorm in one Triton kernel; mean pooling in another.
+
+Tokens are kept flat ([batch * length, hidden]) so every matmul is one 2-D
+GEMM with its bias in the epilogue. Off the GPU each step falls back to
+torch ops, so this module imports and computes everywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+
+from engine import kernels
+from engine.encoder import ACTIVATIONS, EncoderLayer, key_padding_mask
+from engine.heads import MeanPooling
+from engine.kernels import add_layer_norm, mean_pool
+from engine.model import ServedModel
+
+log = logging.getLogger("berth.engine")
+
+# BERTH_ATTENTION: auto (default: the faster per shape), flash, triton or sdpa.
+ATTENTION_ENV = "BERTH_ATTENTION"
+ATTENTION_KINDS = ("flash", "triton", "sdpa")
+
+
+def flash_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether torch's flash-attention kernel runs here for this model."""
+    if device.type != "cuda":
+        return False
+    try:
+        qkv = torch.randn(16, 3, 1, head_dim, device=device, dtype=dtype)
+        starts = torch.tensor([0, 16], dtype=torch.int32, device=device)
+        keys = torch.tensor([16], dtype=torch.int32, device=device)
+        q, k, v = qkv.unbind(1)
+        torch.ops.aten._flash_attention_forward(
+            q, k, v, starts, starts, 16, 16, 0.0, False, False, seqused_k=keys
+        )
+    except (RuntimeError, TypeError) as exc:
+        log.warning("flash attention unavailable here: %s", exc)
+        return False
+    return True
+
+
+class FusedForward:
+    """ServedModel's forward with fused kernels: same weights, same function."""
+
+    def __init__(self, served: ServedModel, gelu_epilogue: bool = True) -> None:
+        self.served = served
+        self.encoder = served.encoder
+        self.layers = [cast(EncoderLayer, layer) for layer in self.encoder.layers]
+        config = self.encoder.config
+        self.heads = config.num_heads
+        self.head_dim = config.hidden_size // config.num_heads
+        self.eps = config.layer_norm_eps
+        self.activation = config.activation
+        # The cuBLASLt epilogue computes GELU's tanh form.
+        self.gelu_epilogue = gelu_epilogue or ACTIVATIONS[config.activation] == "tanh"
+        self.mean = isinstance(served.pooling, MeanPooling)
+        weight = self.encoder.embeddings.word.weight
+        self.kinds = self._available(weight)
+        self.chosen: dict[tuple[int, int], str] = {}  # (batch, length) -> kind
+        self._starts: dict[tuple[int, int], torch.Tensor] = {}
+
+    def _available(self, weight: torch.Tensor) -> list[str]:
+        forced = os.environ.get(ATTENTION_ENV, "auto")
+        if forced != "auto" and forced not in ATTENTION_KINDS:
+            raise ValueError(
+                f"{ATTENTION_ENV}={forced!r}: use auto or {ATTENTION_KINDS}"
+            )
+        kinds = []
+        if flash_available(weight.device, weight.dtype, self.head_dim):
+            kinds.append("flash")
+        if kernels.use_triton(weight) and weight.is_cuda:
+            kinds.append("triton")
+        kinds.append("sdpa")
+        return [forced] if forced in kinds else kinds[:-1] or kinds
+
+    def __call__(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """ids [B, L], lengths [B] (any int dtype, on the device) -> [B, width]."""
+        batch, length = ids.shape
+        emb = self.encoder.embeddings
+        if length > emb.max_length:
+            raise ValueError(
+                f"sequence length {length} is over the model's {emb.max_length} "
+                "positions"
+            )
+        x = kernels.embed_layer_norm(emb, ids)
+        kind = self.chosen.get((batch, length), self.kinds[0])
+        keys = self._keys(kind, lengths, batch, length)
+        for layer in self.layers:
+            x = self._layer(layer, x, batch, length, keys)
+        hidden = x.view(batch, length, -1)
+        pooled = (
+            mean_pool(hidden, lengths)
+            if self.mean
+            else self.served.pooling(hidden, lengths)
+        )
+        return self.served.post(pooled)
+
+    def choose_attention(self, batch: int, length: int) -> str:
+        """The faster attention kernel for this shape, timed on the current stream
+        (random inputs, lengths in (L/2, L]); remembered for the graphs."""
+        if len(self.kinds) == 1:
+            self.chosen[(batch, length)] = self.kinds[0]
+            return self.kinds[0]
+        weight = self.encoder.embeddings.word.weight
+        qkv = torch.randn(
+            batch * length, 3 * self.heads * self.head_dim,
+            device=weight.device, dtype=weight.dtype,
+        )  # fmt: skip
+        lengths = torch.randint(
+            length // 2 + 1, length + 1, (batch,), device=weight.device
+        )
+        timings = {}
+        for kind in self.kinds:
+            keys = self._keys(kind, lengths, batch, length)
+            try:
+                timings[kind] = _time(
+                    lambda keys=keys: self._attend(qkv, batch, length, keys)
+                )
+            except RuntimeError as exc:  # a kernel that cannot run this shape
+                log.warning("attention %s at %dx%d: %s", kind, batch, length, exc)
+        best = min(timings, key=lambda k: timings[k])
+        self.chosen[(batch, length)] = best
+        return best
+
+    def _keys(
+        self, kind: str, lengths: torch.Tensor, batch: int, length: int
+    ) -> tuple[str, Any]:
+        """(kind, what that attention kernel needs to cut keys at each length)."""
+        if kind == "sdpa":
+            return kind, key_padding_mask(lengths, length)
+        used = lengths.clamp(min=1).to(torch.int32)
+        return kind, (used, self._row_starts(batch, length, lengths.device))
+
+    def _layer(
+        self,
+        layer: EncoderLayer,
+        x: torch.Tensor,
+        batch: int,
+        length: int,
+        keys: tuple[str, Any],
+    ) -> torch.Tensor:
+        attention = layer.attention
+        qkv = F.linear(x, attention.qkv.weight, attention.qkv.bias)
+        context = self._attend(qkv, batch, length, keys)
+        attended = F.linear(context, attention.out.weight, attention.out.bias)
+        x = add_layer_norm(attended, x, layer.norm1.weight, layer.norm1.bias, self.eps)
+        inner = self._ffn_in(layer, x)
+        out = F.linear(inner, layer.ffn_out.weight, layer.ffn_out.bias)
+        return add_layer_norm(out, x, layer.norm2.weight, layer.norm2.bias, self.eps)
+
+    def _attend(
+        self, qkv: torch.Tensor, batch: int, length: int, keys: tuple[str, Any]
+    ) -> torch.Tensor:
+        tokens = batch * length
+        kind, cut = keys
+        if kind == "triton":
+            return kernels.attention(qkv, cut[0], batch, length, self.heads)
+        if kind == "flash":
+            used, starts = cut
+            q, k, v = qkv.view(tokens, 3, self.heads, self.head_dim).unbind(1)
+            out = torch.ops.aten._flash_attention_forward(
+                q, k, v, starts, starts, length, length, 0.0, False, False,
+                seqused_k=used,
+            )[0]  # fmt: skip
+            return out.reshape(tokens, -1)
+        shaped = qkv.view(batch, length, 3, self.heads, self.head_dim)
+        q, k, v = shaped.permute(2, 0, 3, 1, 4).unbind(0)
+        context = F.scaled_dot_product_attention(q, k, v, attn_mask=cut)
+        return context.transpose(1, 2).reshape(tokens, -1)
+
+    def _ffn_in(self, layer: EncoderLayer, x: torch.Tensor) -> torch.Tensor:
+        linear = layer.ffn_in
+        if self.activation == "relu":
+            return torch._addmm_activation(
+                linear.bias, x, linear.weight.t(), use_gelu=False
+            )
+        if self.gelu_epilogue and x.is_cuda:
+            return torch._addmm_activation(
+                linear.bias, x, linear.weight.t(), use_gelu=True
+            )
+        return layer.act(F.linear(x, linear.weight, linear.bias))
+
+    def _row_starts(
+        self, batch: int, length: int, device: torch.device
+    ) -> torch.Tensor:
+        """int32 [B + 1]: where each row's tokens start; made once per shape."""
+        key = (batch, length)
+        if key not in self._starts:
+            self._starts[key] = torch.arange(
+                0, (batch + 1) * length, length, dtype=torch.int32, device=device
+            )
+        return self._starts[key]
+
+
+def _time(fn: Any, calls: int = 5) -> float:
+    """Milliseconds per call on the current stream, after one warm-up call."""
+    fn()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / calls

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The one GPU script: build, run the `gpu` tests, time the benchmarks.
+#
+# Runs in the repository root of a machine with an NVIDIA GPU (the device
+# tool's: `bash scripts/gpu_run.sh`, carrying .whl and build/gpu_carry).
+# Results and logs go to $OUT (default ./gpu_out):
+#   setup.log          GPU, driver, clocks as found; versions; build output
+#   gpu_tests.log      pytest -m gpu (every test file that uses the marker)
+#   engine_bench.log   benchmarks/engine.py; its JSON in engine_h200.json;
+#                      smi.log: clocks, power, throttling while it ran
+#   quant_gpu.log      benchmarks/quant_gpu.py, when that file exists, last, in
+#                      the time left ($OUT is exported: it writes its JSON there)
+# STAGES picks stages (default "tests bench quant"); BENCH_ARGS goes to
+# benchmarks/engine.py (e.g. "--quick --models bert-base").
+#
+# Carried, because the device machine reaches no registry:
+#   .whl/             cp312 wheels of grpcio>=1.85.1 (our stubs need it; the
+#                     image has 1.84), grpcio-tools, protobuf, health,
+#                     reflection, opentelemetry-api; installed to /tmp/site
+#   build/gpu_carry/  `python -m tests.gpu.reference build/gpu_carry`: the
+#                     MiniLM checkpoint in fp16 and fp32 CPU references
+# The GPU's clocks, power limit and MIG layout are only read, never set.
+set -uo pipefail
+OUT=${OUT:-$PWD/gpu_out}
+STAGES=${STAGES:-tests bench quant}
+export OUT PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export PYTHONPATH=/tmp/site  # the carried wheels, installed below
+mkdir -p "$OUT"
+PY=python3
+
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,clocks.sm,clocks.max.sm,power.limit,mig.mode.current --format=csv
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --upgrade --target /tmp/site .whl/*.whl
+  fi
+  $PY -c "import torch, triton, grpc; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'grpc', grpc.__version__)"
+  $PY services/protogen.py
+  $PY setup.py -q build_ext --inplace
+} > "$OUT/setup.log" 2>&1 < /dev/null
+[ -d build/gpu_carry ] && export BERTH_GPU_FIXTURES=$PWD/build/gpu_carry
+tail -n 3 "$OUT/setup.log"
+
+if [[ " $STAGES " == *" tests "* ]]; then
+  files=$(grep -rl "pytest.mark.gpu" tests --include='*.py' | sort)
+  timeout 200 $PY -m pytest -m gpu -p no:cacheprovider -q -rA $files \
+    > "$OUT/gpu_tests.log" 2>&1
+  echo "gpu tests: exit $?"
+  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|cosine|top-1|utilization" \
+    "$OUT/gpu_tests.log" | tail -n 40
+fi
+
+if [[ " $STAGES " == *" bench "* ]]; then
+  # Clocks, power and throttle reasons while it runs (read only), once a second.
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,clocks_throttle_reasons.active \
+    --format=csv -l 1 > "$OUT/smi.log" 2>&1 &
+  smi=$!
+  # shellcheck disable=SC2086
+  timeout 360 $PY benchmarks/engine.py --out "$OUT/engine_h200.json" ${BENCH_ARGS:-} \
+    > "$OUT/engine_bench.log" 2>&1
+  echo "engine benchmark: exit $?"
+  kill "$smi"
+  grep -v "^probe\|^input" "$OUT/engine_bench.log" | tail -n 90
+fi
+
+# Last, in what is left of the device tool's 600 s per command.
+if [[ " $STAGES " == *" quant "* && -f benchmarks/quant_gpu.py ]]; then
+  left=$((570 - SECONDS))
+  if ((left > 30)); then
+    timeout "$left" $PY benchmarks/quant_gpu.py > "$OUT/quant_gpu.log" 2>&1
+    echo "quant_gpu: exit $?"; tail -n 25 "$OUT/quant_gpu.log"
+  else
+    echo "quant_gpu: skipped, ${left}s left"
+  fi
+fi

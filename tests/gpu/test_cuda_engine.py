@@ -1,0 +1,311 @@
+"""The CUDA engine on a real GPU: accuracy, graphs, pinned I/O, reporting.
+
+Run by scripts/gpu_run.sh on the device machine; skipped where CUDA is absent.
+References are float32 CPU outputs (tests/gpu/reference.py).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine.cuda_backend import CudaBackend, collect
+from engine.cuda_graphs import bucket_shapes
+from tests.gpu.reference import Fixtures, fixtures, padded_batches
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+ROOT = Path(__file__).resolve().parents[2]
+# The engine's own capture list, with the batcher's defaults.
+MAX_BATCH, TOKEN_BUDGET = 256, 16384
+
+
+@pytest.fixture(scope="module")
+def refs(tmp_path_factory: pytest.TempPathFactory) -> Fixtures:
+    return fixtures(tmp_path_factory.mktemp("gpu_models"))
+
+
+@pytest.fixture(scope="module")
+def backend(refs: Fixtures) -> Iterator[CudaBackend]:
+    cuda = CudaBackend("cuda:0")
+    for name, entry in refs.entries.items():
+        cuda.load(entry)
+        cuda.warmup(name, bucket_shapes(entry.buckets, MAX_BATCH, TOKEN_BUDGET))
+    yield cuda
+
+
+def run_all(
+    backend: CudaBackend,
+    model: str,
+    sequences: list[np.ndarray],
+    buckets: list[int],
+    rows: int,
+) -> np.ndarray:
+    """Every sequence through run_bytes, in bucket batches of up to rows."""
+    out: list[np.ndarray] = [np.empty(0)] * len(sequences)
+    for indices, ids, lengths in padded_batches(sequences, buckets, rows):
+        result, _ = backend.run_bytes(
+            model, ids.tobytes(), lengths.tobytes(), *ids.shape
+        )
+        for row, i in enumerate(indices):
+            out[i] = result[row].copy()
+    return np.stack(out)
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    a = a / np.linalg.norm(a, axis=1, keepdims=True)
+    b = b / np.linalg.norm(b, axis=1, keepdims=True)
+    return np.sum(a * b, axis=1)
+
+
+def random_batch(
+    rows: int, length: int, vocab: int, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, vocab, size=(rows, length), dtype=np.int32)
+    lengths = rng.integers(0, length + 1, size=rows, dtype=np.int32)
+    lengths[0] = length
+    return ids, lengths
+
+
+def test_torch_on_a_gpu_is_the_graph_backend() -> None:
+    from engine.backend import create_backend
+    from engine.cuda_backend import CudaBackend
+    from engine.torch_backend import TorchBackend
+
+    assert isinstance(create_backend("torch", "cuda:0"), CudaBackend)
+    eager = create_backend("torch-eager", "cuda:0")
+    assert type(eager) is TorchBackend
+
+
+def test_embeddings_match_fp32_reference(backend: CudaBackend, refs: Fixtures) -> None:
+    entry = refs.entries["minilm"]
+    got = run_all(backend, "minilm", refs.text_ids, entry.buckets, 37)
+    cos = cosine(got, refs.embeddings)
+    print(f"minilm fp16 vs fp32 CPU: min cosine {cos.min():.6f} over {len(cos)} texts")
+    assert np.isfinite(got).all()
+    assert cos.min() >= 0.999, f"worst text: {int(cos.argmin())}"
+
+
+def test_intent_top1_matches_fp32_reference(
+    backend: CudaBackend, refs: Fixtures
+) -> None:
+    entry = refs.entries["intent"]
+    probs = run_all(backend, "intent", refs.utterance_ids, entry.buckets, 100)
+    agree = float(np.mean(probs.argmax(axis=1) == refs.intent_top1))
+    print(f"intent fp16 top-1 = fp32 top-1 on {agree:.2%} of {len(probs)} utterances")
+    assert np.allclose(probs.sum(axis=1), 1.0, atol=1e-4)
+    assert agree >= 0.99
+
+
+def test_graph_replay_equals_eager(backend: CudaBackend) -> None:
+    runner = backend.runner("minilm")
+    for rows, length in [(1, 32), (8, 128), (32, 512), (256, 64)]:
+        ids, lengths = random_batch(rows, length, runner.vocab, seed=rows + length)
+        graph, _ = backend.run_bytes(
+            "minilm", ids.tobytes(), lengths.tobytes(), rows, length
+        )
+        with torch.inference_mode(), torch.cuda.stream(runner.stream):
+            eager = runner.forward(
+                torch.from_numpy(ids).cuda(), torch.from_numpy(lengths).cuda()
+            )
+            eager_np = eager.cpu().numpy()  # on the engine's stream, after forward
+        print(
+            f"{rows}x{length}: graph - eager max {np.abs(graph - eager_np).max():.2e}"
+        )
+        np.testing.assert_allclose(graph, eager_np, rtol=1e-3, atol=2e-3)
+
+
+def test_every_output_element_is_written(backend: CudaBackend) -> None:
+    runner = backend.runner("minilm")
+    for slot in runner.ring.slots:
+        slot.out[:] = np.nan
+    with torch.inference_mode():
+        for output in runner.graphs.outputs():
+            output.fill_(float("nan"))
+    shapes = [(b, n) for b, n in [(1, 32), (3, 32), (5, 128), (31, 512), (200, 64)]]
+    for rows, length in shapes:
+        ids, lengths = random_batch(rows, length, runner.vocab, seed=rows)
+        out, _ = backend.run_bytes(
+            "minilm", ids.tobytes(), lengths.tobytes(), rows, length
+        )
+        assert out.shape == (rows, runner.width)
+        assert np.isfinite(out).all(), (rows, length)
+        padded = runner.graphs.padded_batch(rows, length)
+        statics = [
+            captured.output
+            for key, captured in runner.graphs._graphs.items()
+            if key[1:] == (padded, length)
+        ]
+        # The graph just replayed wrote every row, padding rows included.
+        assert any(bool(torch.isfinite(s).all()) for s in statics), (rows, length)
+
+
+def test_padding_rows_do_not_change_results(backend: CudaBackend) -> None:
+    runner = backend.runner("minilm")
+    ids, lengths = random_batch(5, 64, runner.vocab, seed=3)
+    together, _ = backend.run_bytes("minilm", ids.tobytes(), lengths.tobytes(), 5, 64)
+    together = together.copy()
+    for row in range(5):
+        alone, _ = backend.run_bytes(
+            "minilm", ids[row].tobytes(), lengths[row : row + 1].tobytes(), 1, 64
+        )
+        np.testing.assert_allclose(alone[0], together[row], rtol=1e-2, atol=5e-3)
+
+
+def test_double_buffering_keeps_batches_apart(backend: CudaBackend) -> None:
+    runner = backend.runner("minilm")
+    a_ids, a_len = random_batch(16, 128, runner.vocab, seed=1)
+    b_ids, b_len = random_batch(16, 128, runner.vocab, seed=2)
+    a_alone = backend.run("minilm", a_ids, a_len)
+    b_alone = backend.run("minilm", b_ids, b_len)
+    first = backend.submit("minilm", a_ids.tobytes(), a_len.tobytes(), 16, 128)
+    second = backend.submit("minilm", b_ids.tobytes(), b_len.tobytes(), 16, 128)
+    with pytest.raises(RuntimeError, match="uncollected"):
+        backend.submit("minilm", a_ids.tobytes(), a_len.tobytes(), 16, 128)
+    np.testing.assert_array_equal(collect(first)[0], a_alone)
+    np.testing.assert_array_equal(collect(second)[0], b_alone)
+
+
+def test_bad_ids_fail_the_batch_not_the_engine(backend: CudaBackend) -> None:
+    runner = backend.runner("minilm")
+    ids, lengths = random_batch(4, 32, runner.vocab, seed=4)
+    ids[1, 3] = runner.vocab
+    with pytest.raises(ValueError, match="token ids"):
+        backend.run("minilm", ids, lengths)
+    ids[1, 3] = 0
+    assert np.isfinite(backend.run("minilm", ids, lengths)).all()
+
+
+@pytest.mark.parametrize(
+    ("option", "floor"),
+    [({"input_mode": "zero-copy"}, 0.999), ({"input_mode": "staging"}, 0.999),
+     ({"dtype": torch.bfloat16}, 0.995), ({"gelu_epilogue": False}, 0.999)],
+)  # fmt: skip
+def test_options_match_fp32_reference(
+    refs: Fixtures, option: dict, floor: float
+) -> None:
+    cuda = CudaBackend("cuda:0", **option)
+    entry = refs.entries["minilm"]
+    cuda.load(entry)
+    cuda.warmup("minilm", [(b, n) for b in (1, 8, 37, 64) for n in entry.buckets])
+    got = run_all(cuda, "minilm", refs.text_ids, entry.buckets, 37)
+    cos = cosine(got, refs.embeddings)
+    print(f"{option}: min cosine {cos.min():.6f}")
+    assert cos.min() >= floor
+
+
+def test_fused_kernels_match_torch() -> None:
+    import torch.nn.functional as F
+
+    from engine.kernels import add_layer_norm, mean_pool
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for rows, cols in [(1, 384), (4096, 768), (333, 1024)]:
+        x, r = (
+            torch.randn(rows, cols, device="cuda", generator=g).half() for _ in "xr"
+        )
+        w, b = (torch.randn(cols, device="cuda", generator=g).half() for _ in "wb")
+        got = add_layer_norm(x, r, w, b, 1e-12).float()
+        want = F.layer_norm(x.float() + r.float(), (cols,), w.float(), b.float(), 1e-12)
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    hidden = torch.randn(7, 128, 384, device="cuda", generator=g).half()
+    lengths = torch.tensor([128, 0, 1, 64, 127, 3, 100], device="cuda")
+    mask = (torch.arange(128, device="cuda")[None] < lengths[:, None]).float()
+    want = (hidden.float() * mask[..., None]).sum(1) / lengths.clamp(min=1)[:, None]
+    torch.testing.assert_close(mean_pool(hidden, lengths), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("batch", "length", "heads", "head"),
+    [(1, 16, 12, 32), (3, 128, 12, 64), (2, 512, 12, 32), (40, 64, 12, 64)],
+)
+def test_triton_attention_matches_sdpa(
+    batch: int, length: int, heads: int, head: int
+) -> None:
+    import torch.nn.functional as F
+
+    from engine.kernels import attention
+
+    g = torch.Generator(device="cuda").manual_seed(batch)
+    qkv = torch.randn(batch * length, 3 * heads * head, device="cuda", generator=g)
+    lengths = torch.randint(1, length + 1, (batch,), device="cuda", generator=g)
+    lengths[0] = length
+    got = attention(qkv.half(), lengths.int(), batch, length, heads).float()
+    shaped = qkv.view(batch, length, 3, heads, head).permute(2, 0, 3, 1, 4)
+    q, k, v = shaped.unbind(0)
+    keys = torch.arange(length, device="cuda")[None] < lengths[:, None]
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=keys[:, None, None])
+    want = want.transpose(1, 2).reshape(batch * length, -1)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    assert (got - want).abs().mean() < 2e-3
+
+
+def test_each_shape_has_a_chosen_attention(backend: CudaBackend) -> None:
+    forward = backend.runner("minilm").forward
+    chosen = forward.chosen
+    print({kind: list(chosen.values()).count(kind) for kind in set(chosen.values())})
+    assert set(chosen.values()) <= set(forward.kinds)
+    assert len(chosen) == len(bucket_shapes([32, 64, 128, 256, 512], 256, 16384))
+
+
+def test_service_reports_gpu_stats(backend: CudaBackend, refs: Fixtures) -> None:
+    internal_pb2 = pytest.importorskip("services.proto.berth.v1.internal_pb2")
+    from engine.service import EngineService
+
+    service = EngineService(backend, refs.entries)
+    ids, lengths = random_batch(9, 64, 30000, seed=9)
+    batch = internal_pb2.Batch(
+        id=7, model="minilm", batch_size=9, length=64,
+        token_ids=ids.tobytes(), lengths=lengths.tobytes(),
+    )  # fmt: skip
+    result = service.run_batch(batch)
+    assert result.code == 0, result.message
+    out = np.frombuffer(result.output, dtype="<f4").reshape(9, result.width)
+    np.testing.assert_array_equal(out, backend.run("minilm", ids, lengths))
+    assert result.gpu_utilization >= 0.0 and result.gpu_memory_used > 0
+    assert result.compute_us > 0
+    print(
+        f"utilization {result.gpu_utilization}%, memory "
+        f"{result.gpu_memory_used / 2**30:.1f} GiB, compute {result.compute_us} us"
+    )
+
+
+def test_engine_worker_captures_before_serving(refs: Fixtures, tmp_path: Path) -> None:
+    pytest.importorskip("services.proto.berth.v1.internal_pb2")
+    from tests.stack import free_ports, health
+
+    (port,) = free_ports(1)
+    repo = Path(refs.entries["minilm"].root).parent
+    log_file = tmp_path / "engine.log"
+    with log_file.open("w") as log:
+        engine = subprocess.Popen(
+            [sys.executable, "-m", "engine", "--device", "cuda:0", "--port",
+             str(port), "--metrics-port", "0", "--models", "minilm",
+             "--model-repository", str(repo)],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ},
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while health(f"127.0.0.1:{port}") != "SERVING":
+            assert engine.poll() is None, log_file.read_text()
+            assert time.monotonic() < deadline, log_file.read_text()
+            time.sleep(0.5)
+        text = log_file.read_text()
+        print(text[-3000:])
+        captured = text.index("CUDA graphs captured")
+        assert captured < text.index("engine SERVING")
+    finally:
+        engine.terminate()
+        engine.wait(60)
