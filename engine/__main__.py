@@ -6,7 +6,8 @@ import argparse
 import asyncio
 import signal
 
-from engine.backend import create_backend
+from engine.backend import Backend
+from engine.backends_by_model import create_model_router
 from engine.cuda_graphs import bucket_shapes
 from engine.service import EngineService
 from services.config import DEFAULT_ENGINE_PORT, add_flag, repository_flag
@@ -50,7 +51,13 @@ async def main(args: argparse.Namespace) -> None:
         f"{args.host}:{args.port}",
         [internal_pb2.DESCRIPTOR.services_by_name["Engine"].full_name],
     )
-    backend = create_backend(args.backend, args.device)
+    # Each model's repository entry picks its backend; --backend is the
+    # fallback for one that cannot start here.
+    router = create_model_router(models, args.backend, args.device)
+    chosen = set(router.chosen.values())
+    # One backend for every model (the usual case): use it directly, so its
+    # fast paths (the CUDA backend's zero-copy run_bytes) stay visible.
+    backend: Backend = router.backends[chosen.pop()] if len(chosen) == 1 else router
     service = EngineService(backend, models)
     internal_pb2_grpc.add_EngineServicer_to_server(service, server.server)
     await server.start()
