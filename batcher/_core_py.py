@@ -14,6 +14,11 @@ Counting rules (the Cython core follows them exactly):
   until dropped. A push that finds the core full first drops cancelled and
   expired entries, then raises ``QueueFull`` only if it is still full.
 * A cancelled id is forgotten at once, so it may be pushed again.
+* ``push_many`` queues a whole message or nothing: it checks every sequence
+  (offsets, length, id) in order, then capacity, and only then queues them in
+  order, as that many pushes would. If the message does not fit, it first
+  drops cancelled and expired entries (as a full push does), so a message
+  whose own ``expires_at`` has passed is queued whole and dropped later.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import sys
 from array import array
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -35,6 +40,7 @@ REASON_EXPIRED = 2
 N_OUTPUT_BUFFERS = 4  # batch buffers stay valid until 4 more batches are formed
 
 _INT32_FORMATS = {"i", "@i", "=i"} | ({"<i"} if sys.byteorder == "little" else set())
+_NATIVE_PREFIXES = ("@", "=", "<") if sys.byteorder == "little" else ("@", "=")
 _UINT64_MAX = (1 << 64) - 1
 
 
@@ -132,6 +138,80 @@ def int32_view(tokens: Buffer) -> memoryview:
     if not view.c_contiguous:
         raise ValueError("tokens must be C-contiguous")
     return view
+
+
+def _int_array(
+    obj: Buffer, name: str, what: str, codes: str, itemsizes: tuple[int, ...]
+) -> array[int]:
+    """A copy of a 1-D C-contiguous integer buffer (ValueError otherwise).
+
+    ``codes``: the accepted struct codes (native byte order); ``itemsizes``:
+    the accepted item sizes. The Cython core applies the same rules.
+    """
+    view = memoryview(obj)
+    code = view.format
+    if code[:1] in _NATIVE_PREFIXES:
+        code = code[1:]
+    if (
+        view.ndim != 1
+        or len(code) != 1
+        or code not in codes
+        or view.itemsize not in itemsizes
+    ):
+        raise ValueError(
+            f"{name} must be a 1-D {what} buffer, got format {view.format!r} "
+            f"with {view.ndim} dimension(s)"
+        )
+    if not view.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous")
+    signed = code.islower()
+    values = array(("q" if signed else "Q") if view.itemsize == 8 else "i")
+    values.frombytes(view.tobytes())
+    return values
+
+
+def _check_message(
+    ids: array[int],
+    offsets: array[int],
+    n_tokens: int,
+    max_len: int,
+    queued: Container[int],
+) -> None:
+    """ValueError for the first bad sequence of a ``push_many`` message.
+
+    For each sequence in order: its offsets, its length, its id (queued, or
+    seen earlier in the message). The Cython core checks the same things in
+    the same order with the same messages.
+    """
+    n = len(ids)
+    if len(offsets) != n + 1:
+        raise ValueError(
+            f"offsets must hold n + 1 = {n + 1} entries, got {len(offsets)}"
+        )
+    seen: set[int] = set()
+    for i in range(n):
+        start, end = offsets[i], offsets[i + 1]
+        if not (0 <= start <= n_tokens and 0 <= end <= n_tokens):
+            raise ValueError(
+                f"sequence {i}: offsets [{start}, {end}) are outside the "
+                f"{n_tokens} tokens"
+            )
+        if not 0 < end - start <= max_len:
+            raise ValueError(
+                f"sequence length {end - start} is outside [1, {max_len}] "
+                f"(sequence {i})"
+            )
+        seq_id = ids[i]
+        if seq_id in queued:
+            raise ValueError(f"sequence id {seq_id} is already queued")
+        if seq_id in seen:
+            raise ValueError(f"sequence id {seq_id} appears twice in the message")
+        seen.add(seq_id)
+
+
+def message_full(capacity: int, held: int, n: int) -> str:
+    """The QueueFull message of a ``push_many`` that does not fit."""
+    return f"no room for {n} sequences: {held} of {capacity} slots held"
 
 
 class _Entry:
@@ -261,12 +341,54 @@ class BucketCore:
                 raise QueueFull(f"{self._capacity} sequences already queued")
         copy = array("i")
         copy.frombytes(view.cast("B"))
+        self._insert(seq_id, copy, bucket, now, expires_at)
+        return bucket
+
+    def push_many(
+        self,
+        seq_ids: Buffer,
+        tokens: Buffer,
+        offsets: Buffer,
+        now: float,
+        expires_at: float = math.inf,
+    ) -> int:
+        """Queue a message of sequences, all or none; return how many.
+
+        ``seq_ids``: n uint64 ids; ``tokens``: one int32 buffer holding all n
+        sequences; ``offsets``: n + 1 int32 or int64 offsets into ``tokens``
+        (sequence i is ``tokens[offsets[i]:offsets[i + 1]]``). On any error
+        (ValueError as ``push``, or QueueFull) nothing is queued.
+        """
+        ids = _int_array(seq_ids, "seq_ids", "uint64", "QL", (8,))
+        flat = array("i")
+        flat.frombytes(int32_view(tokens).tobytes())
+        offs = _int_array(offsets, "offsets", "int32 or int64", "ilq", (4, 8))
+        n = len(ids)
+        _check_message(ids, offs, len(flat), self._lengths[-1], self._by_id)
+        if self._held + n > self._capacity:
+            self._drop(now)
+            if self._held + n > self._capacity:
+                raise QueueFull(message_full(self._capacity, self._held, n))
+        for i in range(n):
+            start, end = offs[i], offs[i + 1]
+            bucket = self.bucket_for(end - start)
+            self._insert(ids[i], flat[start:end], bucket, now, expires_at)
+        return n
+
+    def _insert(
+        self,
+        seq_id: int,
+        copy: array[int],
+        bucket: int,
+        now: float,
+        expires_at: float,
+    ) -> None:
+        """Queue a checked sequence (its own copy of the tokens) with room."""
         entry = _Entry(seq_id, copy, now, expires_at)
         self._queues[bucket].append(entry)
         self._by_id[seq_id] = entry
         self._held += 1
         self._min_expiry = min(self._min_expiry, expires_at)
-        return bucket
 
     def cancel(self, seq_id: int) -> bool:
         entry = self._by_id.pop(operator.index(seq_id), None)

@@ -85,13 +85,20 @@ class CircuitBreaker:
     def cooled_down(self) -> bool:
         return self._clock() - self.opened_at >= self.cooldown_s
 
-    def allow(self) -> bool:
-        """May a new batch go to the engines now?"""
-        if self.state is BreakerState.OPEN:
-            if self._clock() - self.opened_at < self.cooldown_s:
-                return False
+    def current(self) -> BreakerState:
+        """The state now: an open circuit whose cool-down is over is half-open.
+
+        (Asked by the gateway too, so that it sends the probes at all.)
+        """
+        if self.state is BreakerState.OPEN and self.cooled_down():
             self._probes_left = self.probes
             self._set(BreakerState.HALF_OPEN, f"cool-down of {self.cooldown_s} s over")
+        return self.state
+
+    def allow(self) -> bool:
+        """May a new batch go to the engines now?"""
+        if self.current() is BreakerState.OPEN:
+            return False
         if self.state is BreakerState.HALF_OPEN:
             if self._probes_left <= 0:
                 return False
@@ -113,4 +120,4 @@ class CircuitBreaker:
 
     @property
     def label(self) -> str:
-        return self.state.name.lower()
+        return self.current().name.lower()

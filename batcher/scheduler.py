@@ -181,7 +181,7 @@ class ModelScheduler:
     def _refusal(self) -> str | None:
         if not self.pool.serving(self.name):
             return f"no engine is serving model {self.name!r}"
-        if self.breaker.state is BreakerState.OPEN and not self.breaker.cooled_down():
+        if self.breaker.current() is BreakerState.OPEN:
             return f"circuit for {self.name!r} is open after repeated engine failures"
         return None
 

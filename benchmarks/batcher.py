@@ -3,14 +3,17 @@
 Run: ``python -m benchmarks.batcher [--quick]`` (or ``python benchmarks/batcher.py``).
 Prints a table, then one JSON line (the last line) with the headline numbers.
 
-1. Throughput: sequences go through ``push`` in messages of 64 (one gateway
-   message, one arrival time), then ``next_batch`` is called until it returns
-   None; this is bucketing + batching + packing, the core's whole job. The
-   Python twin runs on fewer sequences; rates are compared per sequence.
+1. Throughput: sequences arrive in messages of 64 (one gateway message, one
+   arrival time) and go in through one ``push_many`` per message (as the
+   service queues a request's texts), then ``next_batch`` is called until it
+   returns None; this is bucketing + batching + packing, the core's whole job.
+   The same with one ``push`` per sequence is timed too. The Python twin runs
+   on fewer sequences; rates are compared per sequence.
 2. Padding efficiency and queue wait: Poisson arrivals and engines simulated
-   in virtual time, for berth's policy and for a FIFO batcher that pads each
-   batch to its longest sequence under the same token budget (how Triton's
-   dynamic batcher and text-embeddings-inference batch).
+   in virtual time, for berth's policy with its fine buckets and with the
+   design's default power-of-two templates, and for a FIFO batcher that pads
+   each batch to its longest sequence under the same token budget (how
+   Triton's dynamic batcher and text-embeddings-inference batch).
 """
 
 from __future__ import annotations
@@ -90,6 +93,46 @@ def run_core(make: Callable[[], Any], pool: list[array[int]], n: int) -> float:
     return elapsed
 
 
+# A push_many message: all tokens back to back, n + 1 offsets.
+Message = tuple["array[int]", memoryview]
+
+
+def pack_messages(pool: list[array[int]]) -> list[Message]:
+    """The pool as ``push_many`` messages of CHUNK sequences (tokens, offsets)."""
+    messages = []
+    for first in range(0, len(pool), CHUNK):
+        tokens, offsets = array("i"), array("q", [0])
+        for seq in pool[first : first + CHUNK]:
+            tokens.extend(seq)
+            offsets.append(len(tokens))
+        messages.append((tokens, memoryview(offsets)))
+    return messages
+
+
+def run_core_many(make: Callable[[], Any], messages: list[Message], n: int) -> float:
+    """Seconds to push ``n`` sequences, one ``push_many`` per message, and drain."""
+    core = make()
+    push_many, next_batch = core.push_many, core.next_batch
+    ids = memoryview(array("Q", range(n)))  # the message's ids, as the service's
+    m = len(messages)
+    rows = 0
+    start = time.thread_time()
+    for k, first in enumerate(range(0, n, CHUNK)):
+        now = first * 1e-6  # 1 M sequences/s of virtual arrival time
+        tokens, offsets = messages[k % m]
+        count = min(CHUNK, n - first)
+        if count < CHUNK:
+            offsets = offsets[: count + 1]
+        push_many(ids[first : first + count], tokens, offsets, now)
+        while (batch := next_batch(now)) is not None:
+            rows += batch.size
+    while (batch := next_batch(n * 1e-6 + 1.0, True)) is not None:
+        rows += batch.size
+    elapsed = time.thread_time() - start
+    assert rows == n, (rows, n)
+    return elapsed
+
+
 def run_loop_only(pool: list[array[int]], n: int) -> float:
     """Seconds the benchmark's own loop takes with no core call in it."""
     p = len(pool)
@@ -105,6 +148,7 @@ def run_loop_only(pool: list[array[int]], n: int) -> float:
 def throughput(quick: bool, rng: np.random.Generator) -> dict[str, float]:
     """Best of a few interleaved runs (ns per sequence), so load hits both alike."""
     pool = [array("i", range(int(n))) for n in sample_lengths(8192, rng)]
+    messages = pack_messages(pool)
     n_c = 200_000 if quick else 1_000_000
     n_py = 20_000 if quick else 100_000
     best: dict[str, float] = {}
@@ -112,11 +156,19 @@ def throughput(quick: bool, rng: np.random.Generator) -> dict[str, float]:
     def keep(key: str, seconds: float, n: int) -> None:
         best[key] = min(best.get(key, math.inf), seconds * 1e9 / n)
 
+    def py() -> Any:
+        return _core_py.BucketCore(*POLICY)
+
+    def c() -> Any:
+        return _core_c.BucketCore(*POLICY)
+
     for _ in range(2 if quick else 5):
-        keep("py_ns", run_core(lambda: _core_py.BucketCore(*POLICY), pool, n_py), n_py)
+        keep("py_many_ns", run_core_many(py, messages, n_py), n_py)
+        keep("py_ns", run_core(py, pool, n_py), n_py)
         keep("loop_ns", run_loop_only(pool, n_c), n_c)
         if _core_c is not None:
-            keep("c_ns", run_core(lambda: _core_c.BucketCore(*POLICY), pool, n_c), n_c)
+            keep("c_many_ns", run_core_many(c, messages, n_c), n_c)
+            keep("c_ns", run_core(c, pool, n_c), n_c)
     return best | {"n_c": n_c, "n_py": n_py}
 
 
@@ -126,9 +178,9 @@ def throughput(quick: bool, rng: np.random.Generator) -> dict[str, float]:
 class BerthPolicy:
     """berth: per-bucket queues, token budget, max delay, oldest deadline first."""
 
-    name = "berth (buckets, ODF)"
-
     def __init__(self, buckets: list[int], lengths: np.ndarray) -> None:
+        pow2 = buckets == POW2_BUCKETS
+        self.name = f"berth, {len(buckets)} {'templates' if pow2 else 'buckets'}"
         mod = _core_c if _core_c is not None else _core_py
         self.core = mod.BucketCore(
             buckets, TOKEN_BUDGET, MAX_DELAY_S, capacity=1 << 20, max_batch=MAX_BATCH
@@ -273,24 +325,30 @@ def main() -> None:
 
     tp = throughput(args.quick, rng)
     print(
-        "\n1. core throughput: push in messages of 64, then next_batch until None;"
-        "\n   best of interleaved runs, timed in CPU time of this thread (one core)"
+        f"\n1. core throughput: messages of {CHUNK} sequences, each queued with one "
+        "push_many\n   (or one push per sequence), then next_batch until None; "
+        "best of interleaved\n   runs, timed in CPU time of this thread (one core)"
     )
-    print(f"   {'core':<8}{'sequences':>12}{'ns/seq':>10}{'seq/s':>14}")
-    rows = [("python", tp["n_py"], tp["py_ns"])]
+    print(f"   {'core':<8}{'API':<11}{'sequences':>11}{'ns/seq':>9}{'seq/s':>14}")
+    table = []
+    for api, key in (("push_many", "many_ns"), ("push", "ns")):
+        if f"c_{key}" in tp:
+            table.append(("cython", api, tp["n_c"], tp[f"c_{key}"]))
+        table.append(("python", api, tp["n_py"], tp[f"py_{key}"]))
+    for core, api, n, ns in table:
+        print(f"   {core:<8}{api:<11}{n:>11,}{ns:>9.0f}{1e9 / ns:>14,.0f}")
+    ratio = ratio_push = core_rate = None
     if "c_ns" in tp:
-        rows.insert(0, ("cython", tp["n_c"], tp["c_ns"]))
-    for name, n, ns in rows:
-        print(f"   {name:<8}{n:>12,}{ns:>10.0f}{1e9 / ns:>14,.0f}")
-    ratio = core_rate = None
-    if "c_ns" in tp:
-        ratio = tp["py_ns"] / tp["c_ns"]
-        core_rate = 1e9 / tp["c_ns"]
+        ratio = tp["py_many_ns"] / tp["c_many_ns"]
+        ratio_push = tp["py_ns"] / tp["c_ns"]
+        core_rate = 1e9 / tp["c_many_ns"]
         net = (tp["py_ns"] - tp["loop_ns"]) / (tp["c_ns"] - tp["loop_ns"])
         print(
-            f"   cython / python: {ratio:.1f}x per sequence, end to end (the twin ran "
-            f"{tp['n_py']:,} sequences);\n   {net:.1f}x without the benchmark loop's "
-            f"own {tp['loop_ns']:.0f} ns/seq (iterating the messages)"
+            f"   cython / python, per sequence, end to end (the twin ran "
+            f"{tp['n_py']:,} sequences):\n     push_many: {ratio:.1f}x (the JSON "
+            f"line's cython_vs_python and core_seq_per_s)\n     push:      "
+            f"{ratio_push:.1f}x; {net:.1f}x without the benchmark loop's own "
+            f"{tp['loop_ns']:.0f} ns/seq (iterating the messages)"
         )
     else:
         print("   cython core not built: build it to measure (cythonize -i ...)")
@@ -312,30 +370,40 @@ def main() -> None:
     for rate in RATES:
         arrivals = poisson(rate, seconds, rng)
         lengths = sample_lengths(len(arrivals), rng)
-        for policy in (BerthPolicy(BUCKETS, lengths), FifoPolicy(lengths)):
+        policies: dict[str, BerthPolicy | FifoPolicy] = {
+            "berth": BerthPolicy(BUCKETS, lengths),
+            "pow2": BerthPolicy(POW2_BUCKETS, lengths),
+            "fifo": FifoPolicy(lengths),
+        }
+        for key, policy in policies.items():
             r = simulate(policy, arrivals)
             if rate == RATE:
-                headline[policy.name] = r
+                headline[key] = r
             print(
                 f"   {rate:>10,.0f}  {policy.name:<22}{r.efficiency:>11.3f}"
                 f"{r.wait_p50_ms:>9.2f}ms{r.wait_p99_ms:>9.2f}ms"
                 f"{r.done_p99_ms:>9.2f}ms{r.mean_batch:>11.1f}{r.busy:>6.2f}"
             )
-    berth, fifo = headline[BerthPolicy.name], headline[FifoPolicy.name]
-    pow2 = simulate(
-        BerthPolicy(POW2_BUCKETS, sample_lengths(int(RATE * seconds), rng)),
-        poisson(RATE, seconds, rng),
+    berth, pow2, fifo = headline["berth"], headline["pow2"], headline["fifo"]
+    print(
+        f"   buckets: {len(BUCKETS)} = {BUCKETS[0]}..{BUCKETS[-1]} as above; "
+        f"templates: the design's default {POW2_BUCKETS}"
     )
     print(
-        f"   headline: {RATE:,.0f} arrivals/s. With the power-of-two templates "
-        f"{POW2_BUCKETS} berth's efficiency is {pow2.efficiency:.3f}"
+        f"   headline: {RATE:,.0f} arrivals/s: efficiency {berth.efficiency:.3f} "
+        f"with the {len(BUCKETS)} buckets, {pow2.efficiency:.3f} with the "
+        f"{len(POW2_BUCKETS)} templates, {fifo.efficiency:.3f} FIFO"
     )
     print(
         json.dumps(
             {
                 "cython_vs_python": None if ratio is None else round(ratio, 1),
                 "core_seq_per_s": None if core_rate is None else round(core_rate),
+                "cython_vs_python_push": (
+                    None if ratio_push is None else round(ratio_push, 1)
+                ),
                 "padding_efficiency": round(berth.efficiency, 3),
+                "templates_padding_efficiency": round(pow2.efficiency, 3),
                 "fifo_padding_efficiency": round(fifo.efficiency, 3),
                 "p99_queue_wait_ms": round(berth.wait_p99_ms, 2),
                 "max_delay_ms": MAX_DELAY_S * 1e3,

@@ -7,6 +7,9 @@ import asyncio
 import logging
 
 from gateway.batcher_client import BatcherClient
+from gateway.cache import ResponseCache
+from gateway.kserve import SERVICE_NAME as KSERVE_SERVICE
+from gateway.kserve import KServeService
 from gateway.service import BerthService, Gateway
 from gateway.tokenize import Limits
 from services.config import (
@@ -15,11 +18,13 @@ from services.config import (
     add_flag,
     repository_flag,
 )
-from services.errors import BerthError
+from services.errors import BerthError, Unavailable
 from services.logs import setup_logging
+from services.metrics import serve_metrics
 from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
 from services.repository import load_repository
 from services.server import ServiceServer
+from services.telemetry import setup_tracing, shutdown_tracing
 
 log = logging.getLogger("berth.gateway")
 
@@ -33,6 +38,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_flag(parser, "batcher", f"127.0.0.1:{DEFAULT_BATCHER_PORT}", "batcher address")
     add_flag(parser, "max-texts", 256, "most texts in one call")
     add_flag(parser, "max-in-flight", 1024, "requests in flight before shedding")
+    add_flag(parser, "max-message-mb", 16, "largest request message accepted")
+    add_flag(parser, "metrics-port", 9464, "Prometheus /metrics port (0: off)")
+    add_flag(parser, "cache-entries", 65536, "response cache entries per model; 0: off")
+    add_flag(parser, "cache-mb", 128, "response cache MiB per model; 0: off")
     add_flag(
         parser, "drain-timeout-s", 30.0, "on SIGTERM, how long in-flight work may take"
     )
@@ -41,16 +50,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 async def probe(gateway: Gateway) -> None:
-    """One real request per model through the whole path; raises on failure."""
+    """One real request per model through the whole path; raises on failure.
+
+    A degraded answer (from the CPU fallback) does not count: at start-up the
+    gateway waits for the real engines.
+    """
     for name, model in gateway.models.items():
+        response: berth_pb2.EmbedResponse | berth_pb2.ClassifyResponse
         if model.entry.task == "embed":
-            await gateway.embed(
+            response = await gateway.embed(
                 berth_pb2.EmbedRequest(model=name, texts=[PROBE_TEXT]), timeout_s=30
             )
         else:
-            await gateway.classify(
+            response = await gateway.classify(
                 berth_pb2.ClassifyRequest(model=name, texts=[PROBE_TEXT]), timeout_s=30
             )
+        if response.degraded:
+            raise Unavailable(f"model {name!r} answers only from its fallback")
 
 
 async def watch_health(server: ServiceServer, gateway: Gateway) -> None:
@@ -71,19 +87,34 @@ async def watch_health(server: ServiceServer, gateway: Gateway) -> None:
     serving = True
     while True:
         await asyncio.sleep(1.0)
-        try:
-            models = await gateway.batcher.models()
-            ok = all(m.healthy_engines > 0 for m in models.models)
-        except Exception:  # any failure to ask means not ready
-            ok = False
+        ok = await refresh_circuits(gateway)
         if ok != serving:
             serving = ok
             await server.set_serving(ok)
             log.warning("gateway health now %s", "SERVING" if ok else "NOT_SERVING")
 
 
+async def refresh_circuits(gateway: Gateway) -> bool:
+    """Learn which circuits are open; True while every model can answer.
+
+    A model whose engines are all down still answers from its fallback, so
+    only a model with neither makes the gateway unready.
+    """
+    can_fall_back = {n for n, m in gateway.models.items() if m.fallback is not None}
+    try:
+        reply = await gateway.batcher.models()
+    except Exception:  # the batcher is unreachable
+        gateway.open_circuits = set(gateway.models)
+        return can_fall_back == set(gateway.models)
+    gateway.open_circuits = {m.name for m in reply.models if m.state == "open"}
+    engines = {m.name: m.healthy_engines for m in reply.models}
+    return all(engines.get(n, 0) > 0 or n in can_fall_back for n in gateway.models)
+
+
 async def main(args: argparse.Namespace) -> None:
     setup_logging("gateway")
+    setup_tracing("gateway")
+    serve_metrics("gateway", args.host, args.metrics_port)
     repository = load_repository(args.model_repository)
     batcher = BatcherClient(args.batcher)
     gateway = Gateway(
@@ -91,13 +122,16 @@ async def main(args: argparse.Namespace) -> None:
         batcher,
         Limits(max_texts=args.max_texts),
         max_in_flight=args.max_in_flight,
+        cache=ResponseCache(args.cache_entries, args.cache_mb * 2**20),
     )
     server = ServiceServer(
         "gateway",
         f"{args.host}:{args.port}",
-        [berth_pb2.DESCRIPTOR.services_by_name["Berth"].full_name],
+        [berth_pb2.DESCRIPTOR.services_by_name["Berth"].full_name, KSERVE_SERVICE],
+        max_message_bytes=args.max_message_mb * 2**20,
     )
     berth_pb2_grpc.add_BerthServicer_to_server(BerthService(gateway), server.server)
+    KServeService(gateway).add_to_server(server.server)
     await server.start()
     log.info(
         "gateway models: %s; batcher %s",
@@ -114,6 +148,7 @@ async def main(args: argparse.Namespace) -> None:
 
     await server.run_until_signalled(drain, grace_s=args.drain_timeout_s)
     await batcher.close()
+    shutdown_tracing()
 
 
 if __name__ == "__main__":

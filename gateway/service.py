@@ -6,19 +6,55 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 import numpy as np
 
+from gateway import metrics
 from gateway.batcher_client import BatcherClient
+from gateway.cache import ResponseCache
+from gateway.fallback import FallbackError, FallbackModel
 from gateway.tokenize import Limits, TextEncoder
-from services.errors import BerthError, InvalidInput, Overloaded, abort
+from services.errors import (
+    BerthError,
+    EngineFailure,
+    InvalidInput,
+    Overloaded,
+    Unavailable,
+    UnknownModel,
+    abort,
+)
 from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
 from services.repository import ModelEntry
+from services.telemetry import SpanKind, extract, inject, tracer
 
 log = logging.getLogger("berth.gateway")
+TRACER = tracer("gateway")
+DEGRADED_METADATA = (("x-berth-degraded", "true"),)
+
+Response = TypeVar("Response", berth_pb2.EmbedResponse, berth_pb2.ClassifyResponse)
+
+
+@dataclass
+class Answer:
+    """One call's outputs [N, width], token counts, and whether degraded."""
+
+    outputs: np.ndarray
+    tokens: list[int]
+    degraded: bool
+
+
+def outcome_of(error: BerthError) -> str:
+    """The metrics outcome of a failed request."""
+    if isinstance(error, InvalidInput | UnknownModel):
+        return "invalid"
+    if isinstance(error, Overloaded):
+        return "shed"
+    return "failed"
 
 
 class Admission:
@@ -49,6 +85,14 @@ class Model:
         self.labels = entry.label_names()
         config = json.loads((entry.checkpoint_dir / "config.json").read_text())
         self.dimension = int(config.get("hidden_size", config.get("dim", 0)))
+        self.fallback: FallbackModel | None
+        try:
+            self.fallback = FallbackModel.load(entry)
+        except FallbackError as exc:
+            log.warning(
+                "model %s has no CPU fallback (level 3 off): %s", entry.name, exc
+            )
+            self.fallback = None
 
 
 class Gateway:
@@ -60,10 +104,16 @@ class Gateway:
         batcher: BatcherClient,
         limits: Limits,
         max_in_flight: int,
+        cache: ResponseCache | None = None,
     ) -> None:
         self.models = {name: Model(e, limits) for name, e in entries.items()}
         self.batcher = batcher
+        # Disabled unless given one (gateway flags --cache-entries, --cache-mb).
+        self.cache = cache or ResponseCache(0, 0)
         self.admission = Admission(max_in_flight)
+        # Models whose circuit the batcher reports open: answered by the
+        # fallback without a round trip (kept fresh by gateway/__main__.py).
+        self.open_circuits: set[str] = set()
         self._tokenize_pool = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
 
     def model(self, name: str, task: str) -> Model:
@@ -87,23 +137,125 @@ class Gateway:
         options: berth_pb2.Options,
         timeout_s: float | None,
         timings: berth_pb2.Timings,
-    ) -> tuple[np.ndarray, list[int]]:
-        """Tokenize and run texts; returns outputs [N, width] and token counts."""
+    ) -> Answer:
+        """Tokenize and run texts: outputs [N, width], token counts, degraded.
+
+        Texts found in the response cache skip tokenization and the batcher;
+        a call whose texts all hit never reaches the batcher.
+        """
         t0 = time.perf_counter()
-        loop = asyncio.get_running_loop()
-        ids = await loop.run_in_executor(
-            self._tokenize_pool, model.encoder.encode, list(texts), options.truncate
+        name, truncate = model.entry.name, options.truncate
+        model.encoder.check_count(texts)
+        with TRACER.start_as_current_span("gateway.cache"):
+            found = self.cache.lookup(name, truncate, texts)
+        if self.cache.enabled:
+            hits = sum(f is not None for f in found)
+            metrics.CACHE.labels(name, "hit").inc(hits)
+            metrics.CACHE.labels(name, "miss").inc(len(found) - hits)
+        # Each distinct text missing from the cache runs once.
+        misses = list(
+            dict.fromkeys(t for t, f in zip(texts, found, strict=True) if f is None)
         )
-        t1 = time.perf_counter()
-        timeout_ms = max(1, int(timeout_s * 1000)) if timeout_s is not None else 0
-        results = await self.batcher.run(model.entry.name, ids, timeout_ms)
-        outputs = np.stack([np.frombuffer(r.output, dtype="<f4") for r in results])
-        t2 = time.perf_counter()
+        computed: dict[str, tuple[np.ndarray, int]] = {}
+        t1 = t0
+        degraded = False
+        if misses:
+            loop = asyncio.get_running_loop()
+            try:
+                with TRACER.start_as_current_span("gateway.tokenize"):
+                    ids = await loop.run_in_executor(
+                        self._tokenize_pool, model.encoder.encode, misses, truncate
+                    )
+            except InvalidInput:
+                if len(misses) < len(texts):
+                    # Check the whole call so the error names the caller's index.
+                    await loop.run_in_executor(
+                        self._tokenize_pool, model.encoder.encode, texts, truncate
+                    )
+                raise
+            t1 = time.perf_counter()
+            rows, degraded = await self._infer(model, ids, timeout_s, timings)
+            counts = [len(x) for x in ids]
+            if not degraded:  # a fallback's answer is never cached
+                self.cache.insert(name, truncate, misses, rows, counts)
+            computed = dict(zip(misses, zip(rows, counts, strict=True), strict=True))
+        answers = [
+            f if f is not None else computed[t]
+            for t, f in zip(texts, found, strict=True)
+        ]
+        outputs = np.stack([row for row, _ in answers])
         timings.tokenize_us = int((t1 - t0) * 1e6)
-        timings.queue_us = max(r.queue_us for r in results)
-        timings.inference_us = max(r.inference_us for r in results)
-        timings.total_us = int((t2 - t0) * 1e6)
-        return outputs, [len(x) for x in ids]
+        timings.total_us = int((time.perf_counter() - t0) * 1e6)
+        return Answer(outputs, [n for _, n in answers], degraded)
+
+    async def _infer(
+        self,
+        model: Model,
+        ids: list[np.ndarray],
+        timeout_s: float | None,
+        timings: berth_pb2.Timings,
+    ) -> tuple[list[np.ndarray], bool]:
+        """The engines' outputs, or the CPU fallback's when they cannot answer.
+
+        Level 3: the fallback answers while the model's circuit is open, while
+        the batcher is unreachable, and for a call whose batch failed on the
+        engines (so no request is lost to a failing fleet).
+        """
+        name = model.entry.name
+        if name in self.open_circuits:
+            reason = "circuit_open"
+        elif not self.batcher.connected:
+            reason = "batcher_unreachable"
+        else:
+            timeout_ms = max(1, int(timeout_s * 1000)) if timeout_s is not None else 0
+            try:
+                with TRACER.start_as_current_span("gateway.infer"):
+                    results = await self.batcher.run(name, ids, timeout_ms, inject())
+            except (Unavailable, EngineFailure) as exc:
+                if model.fallback is None:
+                    raise
+                reason = "engine_failure"
+                log.debug("falling back for %s: %s", name, exc)
+            else:
+                timings.queue_us = max(r.queue_us for r in results)
+                timings.inference_us = max(r.inference_us for r in results)
+                return [np.frombuffer(r.output, dtype="<f4") for r in results], False
+        if model.fallback is None:
+            raise Unavailable(
+                f"model {name!r} cannot answer now ({reason.replace('_', ' ')}) and "
+                "has no CPU fallback (build it with `berth build-models`)"
+            )
+        with TRACER.start_as_current_span(
+            "gateway.fallback", attributes={"berth.reason": reason}
+        ):
+            outputs = model.fallback.run(ids)
+        metrics.FALLBACKS.labels(name, reason).inc(len(ids))
+        return list(outputs), True
+
+    async def counted(
+        self, api: str, model: str, work: Awaitable[Response]
+    ) -> Response:
+        """Await one request, counting its outcome and stage times."""
+        label = model if model in self.models else "unknown"
+        metrics.IN_FLIGHT.inc()
+        try:
+            response = await work
+        except BerthError as exc:
+            metrics.REQUESTS.labels(label, api, outcome_of(exc)).inc()
+            raise
+        finally:
+            metrics.IN_FLIGHT.dec()
+        outcome = "degraded" if response.degraded else "ok"
+        metrics.REQUESTS.labels(label, api, outcome).inc()
+        t = response.timings
+        for stage, us in (
+            ("tokenize", t.tokenize_us),
+            ("queue", t.queue_us),
+            ("inference", t.inference_us),
+            ("total", t.total_us),
+        ):
+            metrics.STAGE_SECONDS.labels(label, stage).observe(us / 1e6)
+        return response
 
     async def embed(
         self, request: berth_pb2.EmbedRequest, timeout_s: float | None
@@ -113,9 +265,11 @@ class Gateway:
             response = berth_pb2.EmbedResponse(
                 model=model.entry.name, request_id=request.request_id
             )
-            vectors, counts = await self._run(
+            answer = await self._run(
                 model, list(request.texts), request.options, timeout_s, response.timings
             )
+            vectors, counts = answer.outputs, answer.tokens
+            response.degraded = answer.degraded
             normalize = (
                 request.options.normalize
                 if request.options.HasField("normalize")
@@ -139,9 +293,11 @@ class Gateway:
             response = berth_pb2.ClassifyResponse(
                 model=model.entry.name, request_id=request.request_id
             )
-            probs, counts = await self._run(
+            answer = await self._run(
                 model, list(request.texts), request.options, timeout_s, response.timings
             )
+            probs, counts = answer.outputs, answer.tokens
+            response.degraded = answer.degraded
             best = np.argsort(-probs, axis=1, kind="stable")[:, :top_k]
             for row, (order, n) in enumerate(zip(best, counts, strict=True)):
                 response.results.append(
@@ -190,20 +346,39 @@ class BerthService(berth_pb2_grpc.BerthServicer):
     async def Embed(
         self, request: berth_pb2.EmbedRequest, context: grpc.aio.ServicerContext
     ) -> berth_pb2.EmbedResponse:
-        try:
-            return await self.gateway.embed(request, context.time_remaining())
-        except BerthError as exc:
-            await abort(context, exc)
-            raise  # unreachable: abort raises
+        work = self.gateway.embed(request, context.time_remaining())
+        return await self._unary("Embed", "embed", request.model, work, context)
 
     async def Classify(
         self, request: berth_pb2.ClassifyRequest, context: grpc.aio.ServicerContext
     ) -> berth_pb2.ClassifyResponse:
-        try:
-            return await self.gateway.classify(request, context.time_remaining())
-        except BerthError as exc:
-            await abort(context, exc)
-            raise
+        work = self.gateway.classify(request, context.time_remaining())
+        return await self._unary("Classify", "classify", request.model, work, context)
+
+    async def _unary(
+        self,
+        method: str,
+        api: str,
+        model: str,
+        work: Awaitable[Response],
+        context: grpc.aio.ServicerContext,
+    ) -> Response:
+        """One traced, counted call; degraded answers say so in the trailer."""
+        parent = extract(context.invocation_metadata() or ())
+        with TRACER.start_as_current_span(
+            f"berth.v1.Berth/{method}",
+            context=parent,
+            kind=SpanKind.SERVER,
+            attributes={"berth.model": model},
+        ):
+            try:
+                response = await self.gateway.counted(api, model, work)
+            except BerthError as exc:
+                await abort(context, exc)
+                raise  # unreachable: abort raises
+            if response.degraded:
+                context.set_trailing_metadata(DEGRADED_METADATA)
+            return response
 
     async def Tokenize(
         self, request: berth_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
@@ -243,13 +418,19 @@ class BerthService(berth_pb2_grpc.BerthServicer):
             inner = request.embed if kind == "embed" else request.classify
             try:
                 if kind == "embed":
-                    e = await self.gateway.embed(
-                        request.embed, context.time_remaining()
+                    e = await self.gateway.counted(
+                        "stream",
+                        inner.model,
+                        self.gateway.embed(request.embed, context.time_remaining()),
                     )
                     out.put_nowait(berth_pb2.StreamResponse(embed=e))
                 elif kind == "classify":
-                    c = await self.gateway.classify(
-                        request.classify, context.time_remaining()
+                    c = await self.gateway.counted(
+                        "stream",
+                        inner.model,
+                        self.gateway.classify(
+                            request.classify, context.time_remaining()
+                        ),
                     )
                     out.put_nowait(berth_pb2.StreamResponse(classify=c))
                 else:

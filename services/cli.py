@@ -118,6 +118,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 str(args.port),
                 "--batcher",
                 batcher,
+                "--metrics-port",
+                metrics_port(0),
                 *common,
             ),
         )

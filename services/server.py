@@ -26,9 +26,20 @@ OVERALL = ""  # the health service name that stands for the whole server
 class ServiceServer:
     """One gRPC server with health, reflection and graceful drain."""
 
-    def __init__(self, name: str, address: str, service_names: Iterable[str]) -> None:
+    def __init__(
+        self,
+        name: str,
+        address: str,
+        service_names: Iterable[str],
+        max_message_bytes: int | None = None,
+    ) -> None:
         self.name = name
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        options = list(SERVER_OPTIONS)
+        if max_message_bytes is not None:
+            # A public front door accepts less than the internal hops.
+            key = "grpc.max_receive_message_length"
+            options = [o for o in options if o[0] != key] + [(key, max_message_bytes)]
+        self.server = grpc.aio.server(options=options)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = list(service_names)

@@ -143,14 +143,17 @@ def test_metrics_count_known_calls(traced: tuple[Stack, Receiver]) -> None:
     gateway, batcher, engine = (scrape(u) for u in stack.metrics)
     with grpc.insecure_channel(stack.gateway) as channel:
         stub = berth_pb2_grpc.BerthStub(channel)
-        for _ in range(3):
-            stub.Embed(berth_pb2.EmbedRequest(model="minilm", texts=["x", "y z"]))
+        for i in range(3):  # distinct texts: the response cache must miss
+            stub.Embed(
+                berth_pb2.EmbedRequest(model="minilm", texts=[f"x {i}", f"y z {i}"])
+            )
+        stub.Embed(berth_pb2.EmbedRequest(model="minilm", texts=["x 0"]))  # a hit
         with pytest.raises(grpc.RpcError):
             stub.Embed(berth_pb2.EmbedRequest(model="minilm", texts=[]))
     after = [scrape(u) for u in stack.metrics]
     ok = r'berth_gateway_requests_total\{.*model="minilm".*outcome="ok".*\}'
     bad = r'berth_gateway_requests_total\{.*model="minilm".*outcome="invalid".*\}'
-    assert value(after[0], ok) - value(gateway, ok) == 3
+    assert value(after[0], ok) - value(gateway, ok) == 4
     assert value(after[0], bad) - value(gateway, bad) == 1
     seqs = r'berth_batcher_sequences_total\{model="minilm",outcome="ok"\}'
     assert value(after[1], seqs) - value(batcher, seqs) == 6

@@ -371,6 +371,151 @@ def test_many_ids_push_cancel_pop(core_mod: ModuleType) -> None:
         assert len(core) == len(queued)
 
 
+# ---- push_many ------------------------------------------------------------------
+
+
+def tok_base(seq_id: int) -> int:
+    return 100 * (seq_id % 10**6)
+
+
+def message(
+    ids: list[int], lengths: list[int], lead: int = 0, wide: bool = True
+) -> tuple[array[int], array[int], array[int]]:
+    """push_many arguments: sequence i is toks(lengths[i], base=tok_base(ids[i])).
+
+    ``lead`` unused tokens come first (offsets need not start at 0).
+    """
+    tokens = array("i", [-5] * lead)
+    offsets = array("q" if wide else "i", [lead])
+    for seq_id, n in zip(ids, lengths, strict=True):
+        tokens.extend(toks(n, base=tok_base(seq_id)))
+        offsets.append(len(tokens))
+    return array("Q", ids), tokens, offsets
+
+
+def drain(core: Any, now: float) -> list[tuple[Any, ...]]:
+    """Every batch, eagerly: bucket, ids, rows, enqueue times, real tokens."""
+    out = []
+    while (b := core.next_batch(now, eager=True)) is not None:
+        out.append(
+            (b.bucket, b.ids.tolist(), rows(b), b.enqueued_at.tolist(), b.real_tokens)
+        )
+    return out
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_push_many_equals_pushes(core_mod: ModuleType, wide: bool) -> None:
+    ids = [3, 1, 2**64 - 1, 40, 5, 6, 7]
+    lengths = [2, 16, 5, 1, 4, 9, 3]
+    one, many = make(core_mod), make(core_mod)
+    for seq_id, n in zip(ids, lengths, strict=True):
+        one.push(seq_id, toks(n, base=tok_base(seq_id)), 0.25, 0.75)
+    assert many.push_many(*message(ids, lengths, lead=3, wide=wide), 0.25, 0.75) == 7
+    assert len(many) == len(one) == 7
+    assert [many.queued(b) for b in range(3)] == [one.queued(b) for b in range(3)]
+    assert many.next_deadline() == one.next_deadline()
+    assert many.cancel(40) and one.cancel(40)
+    assert drain(many, 0.5) == drain(one, 0.5)
+    assert many.take_dropped() == one.take_dropped() == [(40, REASON_CANCELLED)]
+    assert many.stats() == one.stats()
+
+
+def test_push_many_large_message(core_mod: ModuleType) -> None:
+    """Past the scratch a core starts with; a late error undoes every id."""
+    rng = random.Random(3)
+    ids = rng.sample(range(10**6), 700)
+    lengths = [rng.randint(1, 16) for _ in ids]
+    one = make(core_mod, capacity=1000, max_batch=64, token_budget=1024)
+    many = make(core_mod, capacity=1000, max_batch=64, token_budget=1024)
+    bad = message(ids + [ids[650]], lengths + [1])
+    with pytest.raises(ValueError, match="twice"):
+        many.push_many(*bad, 0.0)
+    for seq_id, n in zip(ids, lengths, strict=True):
+        one.push(seq_id, toks(n, base=tok_base(seq_id)), 0.0)
+    assert many.push_many(*message(ids, lengths), 0.0) == 700
+    assert drain(many, 0.0) == drain(one, 0.0)
+    with pytest.raises(QueueFull):
+        many.push_many(*message(list(range(1001)), [1] * 1001), 0.0)
+    assert len(many) == 0
+
+
+def test_push_many_expiry_and_empty_message(core_mod: ModuleType) -> None:
+    core = make(core_mod)
+    assert core.push_many(*message([], []), 0.0) == 0
+    assert core.push_many(*message([1, 2], [1, 2]), 0.0, expires_at=0.5) == 2
+    assert core.next_batch(0.5) is None
+    assert core.take_dropped() == [(1, REASON_EXPIRED), (2, REASON_EXPIRED)]
+
+
+def test_push_many_accepts_numpy_buffers(core_mod: ModuleType) -> None:
+    core = make(core_mod)
+    ids = np.array([8, 9], dtype=np.uint64)  # format "L" on LP64
+    tokens = np.arange(10, dtype=np.int32)
+    assert core.push_many(ids, tokens[2:], np.array([0, 3, 8]), 0.0) == 2
+    assert core.push_many(
+        memoryview(array("Q", [10]).tobytes()).cast("Q"),
+        tokens,
+        np.array([9, 10], dtype=np.int32),
+        0.0,
+    )
+    assert drain(core, 0.0) == [
+        (0, [8, 10], [[2, 3, 4, 0], [9, 0, 0, 0]], [0.0, 0.0], 4),
+        (1, [9], [[5, 6, 7, 8, 9, 0, 0, 0]], [0.0], 5),
+    ]
+
+
+def _bad_messages() -> list[tuple[str, tuple[Any, ...]]]:
+    ok_ids = [10, 11, 12]
+    return [
+        ("length", message(ok_ids, [2, 17, 3])),  # too long
+        ("length", message(ok_ids, [2, 0, 3])),  # empty
+        ("already queued", message([10, 1, 12], [1, 1, 1])),
+        ("twice", message([10, 11, 10], [1, 1, 1])),
+        ("outside", (array("Q", [10]), toks(2), array("i", [0, 3]))),
+        ("outside", (array("Q", [10]), toks(2), array("q", [-1, 1]))),
+        ("n \\+ 1", (array("Q", [10, 11]), toks(2), array("i", [0, 1]))),
+        ("seq_ids must be", (array("q", [10]), toks(2), array("i", [0, 1]))),
+        ("tokens must be", (array("Q", [10]), array("q", [1]), array("i", [0, 1]))),
+        ("offsets must be", (array("Q", [10]), toks(2), array("I", [0, 1]))),
+        (
+            "offsets must be C-contiguous",
+            (array("Q", [10]), toks(2), np.arange(4)[::2]),
+        ),
+    ]
+
+
+@pytest.mark.parametrize(("match", "args"), _bad_messages())
+def test_push_many_is_all_or_nothing_on_bad_input(
+    core_mod: ModuleType, match: str, args: tuple[Any, ...]
+) -> None:
+    core = make(core_mod)
+    core.push(1, toks(2), 0.0)
+    with pytest.raises(ValueError, match=match):
+        core.push_many(*args, 0.0)
+    assert len(core) == 1 and [core.queued(b) for b in range(3)] == [1, 0, 0]
+    assert core.push_many(*message([10, 11, 12], [1, 6, 12]), 0.0) == 3
+    assert [core.queued(b) for b in range(3)] == [2, 1, 1]
+
+
+def test_push_many_is_all_or_nothing_on_a_full_queue(core_mod: ModuleType) -> None:
+    core = make(core_mod, capacity=6)
+    core.push_many(*message([1, 2, 3, 4], [2, 2, 6, 6]), 0.0)
+    core.push(5, toks(2), 0.0, expires_at=0.5)
+    core.cancel(2)
+    with pytest.raises(QueueFull):  # 5 held; dropping the cancelled one leaves 4
+        core.push_many(*message([10, 11, 12], [1, 1, 1]), 0.25)
+    assert core.take_dropped() == [(2, REASON_CANCELLED)]  # as a full push does
+    assert len(core) == 4 and [core.queued(b) for b in range(3)] == [2, 2, 0]
+    with pytest.raises(QueueFull):  # dropping the expired one leaves 3: 4 too many
+        core.push_many(*message([10, 11, 12, 13], [1, 1, 1, 1]), 0.5)
+    assert core.take_dropped() == [(5, REASON_EXPIRED)]
+    assert len(core) == 3
+    assert core.push_many(*message([10, 11, 12], [1, 1, 1]), 0.5) == 3  # fits
+    assert len(core) == 6
+    with pytest.raises(TypeError):
+        core.push_many([1], toks(1), array("i", [0, 1]), 0.5)
+
+
 # ---- packing --------------------------------------------------------------------
 
 
@@ -437,6 +582,7 @@ def test_stats(core_mod: ModuleType) -> None:
 # ---- both implementations agree -----------------------------------------------------
 
 TICK = 1 / 1024  # times on a dyadic grid: sums are exact, so ties really happen
+_SEQ = st.tuples(st.integers(0, 20), st.one_of(st.integers(1, 3), st.integers(0, 10)))
 _OP = st.one_of(
     st.tuples(
         st.just("push"),
@@ -452,6 +598,16 @@ _OP = st.one_of(
     ),
     st.tuples(st.just("cancel"), st.integers(0, 20)),
     st.tuples(st.just("size"), st.integers(0, 2), st.integers(-1, 6)),
+    st.tuples(
+        st.just("many"),
+        st.one_of(  # (id, length) per sequence; ids may repeat in a message
+            st.lists(_SEQ, min_size=1, max_size=7, unique_by=lambda t: t[0]),
+            st.lists(_SEQ, max_size=4),
+        ),
+        st.one_of(st.none(), st.integers(0, 12)),  # expires after these ticks
+        st.integers(0, 2),  # unused tokens before the first sequence
+        st.booleans(),  # int64 offsets, else int32
+    ),
 )
 
 
@@ -468,6 +624,16 @@ def _apply(core: Any, op: tuple[Any, ...], now: float) -> Any:
             _, seq_id, length, expires = op
             tokens = array("i", [seq_id * 100 + j for j in range(length)])
             return core.push(seq_id, tokens, now, expires)
+        if op[0] == "many":
+            _, seqs, expires_in, lead, wide = op
+            expires = math.inf if expires_in is None else now + expires_in * TICK
+            tokens = array("i", [-3] * lead)
+            offsets = array("q" if wide else "i", [lead])
+            for seq_id, length in seqs:
+                tokens.extend(seq_id * 100 + j for j in range(length))
+                offsets.append(len(tokens))
+            ids = array("Q", [seq_id for seq_id, _ in seqs])
+            return core.push_many(ids, tokens, offsets, now, expires)
         if op[0] == "cancel":
             return core.cancel(op[1])
         if op[0] == "size":

@@ -1,0 +1,137 @@
+"""The gateway's response cache: per-text model outputs, bounded per model.
+
+An entry is what the engine computed for one text: its float32 output row
+(the pooled embedding before any normalization, or the probabilities) and
+its token count. The key is (model, truncate, text): normalization is
+applied by the gateway after the cache, so it is not part of the key, and
+truncate is, so that a text over the limit is never answered from a
+truncated entry when the caller did not ask to truncate. Both public APIs
+(berth.v1 and KServe) go through the same cache. Everything here runs on
+the event loop thread: no locks.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import OrderedDict
+
+import numpy as np
+
+# Bookkeeping per entry beyond the row and the text: the dict slot, the key
+# tuple, the ndarray header. An estimate; it keeps the byte bound honest for
+# short texts and narrow rows.
+ENTRY_OVERHEAD_BYTES = 256
+
+Key = tuple[bool, str]
+Entry = tuple[np.ndarray, int]
+
+
+class ModelCache:
+    """One model's bounded LRU of output rows, with hit and miss counters."""
+
+    def __init__(self, max_entries: int, max_bytes: int) -> None:
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[Key, tuple[np.ndarray, int, int]] = OrderedDict()
+        self.bytes = 0
+        self.hits = 0
+        self.misses = 0
+        self.evictions = 0
+        self.inserts = 0
+        # Cumulative time spent looking texts up, for statistics.
+        self.lookup_ns = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, truncate: bool, text: str) -> Entry | None:
+        """The row and token count cached for text, or None (counted)."""
+        found = self._entries.get((truncate, text))
+        if found is None:
+            self.misses += 1
+            return None
+        self._entries.move_to_end((truncate, text))
+        self.hits += 1
+        return found[0], found[1]
+
+    def put(self, truncate: bool, text: str, row: np.ndarray, tokens: int) -> None:
+        """Store a copy of one text's row; evicts the least recently used."""
+        size = row.nbytes + sys.getsizeof(text) + ENTRY_OVERHEAD_BYTES
+        if size > self.max_bytes or self.max_entries <= 0:
+            return
+        key = (truncate, text)
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self.bytes -= old[2]
+        # A copy: a view would keep its whole batch alive, and callers may
+        # write to their own arrays.
+        row = np.array(row, dtype=np.float32)
+        row.flags.writeable = False
+        self._entries[key] = (row, tokens, size)
+        self.bytes += size
+        self.inserts += 1
+        while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
+            _, (_, _, evicted) = self._entries.popitem(last=False)
+            self.bytes -= evicted
+            self.evictions += 1
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.bytes = 0
+
+
+class ResponseCache:
+    """The gateway's per-model caches (flags --cache-entries, --cache-mb)."""
+
+    def __init__(self, max_entries: int, max_bytes: int) -> None:
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.models: dict[str, ModelCache] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_entries > 0 and self.max_bytes > 0
+
+    def model(self, name: str) -> ModelCache | None:
+        """The cache of one model (made on first use); None when disabled."""
+        if not self.enabled:
+            return None
+        cache = self.models.get(name)
+        if cache is None:
+            cache = self.models[name] = ModelCache(self.max_entries, self.max_bytes)
+        return cache
+
+    def lookup(
+        self, model: str, truncate: bool, texts: list[str]
+    ) -> list[Entry | None]:
+        """Per text, its cached (row, tokens) or None."""
+        cache = self.model(model)
+        if cache is None:
+            return [None] * len(texts)
+        t0 = time.perf_counter_ns()
+        found = [cache.get(truncate, text) for text in texts]
+        cache.lookup_ns += time.perf_counter_ns() - t0
+        return found
+
+    def insert(
+        self,
+        model: str,
+        truncate: bool,
+        texts: list[str],
+        rows: list[np.ndarray],
+        tokens: list[int],
+    ) -> None:
+        cache = self.model(model)
+        if cache is None:
+            return
+        for text, row, n in zip(texts, rows, tokens, strict=True):
+            cache.put(truncate, text, row, n)
+
+    @property
+    def hits(self) -> int:
+        return sum(c.hits for c in self.models.values())
+
+    @property
+    def misses(self) -> int:
+        return sum(c.misses for c in self.models.values())

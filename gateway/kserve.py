@@ -1,0 +1,514 @@
+"""KServe v2 (Open Inference Protocol) gRPC service over the gateway.
+
+Stock Triton clients (``tritonclient.grpc``) call every berth model with one
+tensor contract:
+
+- input ``TEXT``: BYTES, shape [N], one UTF-8 text per element;
+- embed models output ``EMBEDDING``: FP32 [N, D];
+- classify models output ``PROBABILITIES``: FP32 [N, C] and ``LABEL``:
+  BYTES [N], the best label per text.
+
+Inputs may come as ``raw_input_contents`` or typed ``bytes_contents``.
+Outputs go out as ``raw_output_contents`` (what Triton does and what
+tritonclient reads), or typed contents when the request sets the parameter
+``binary_data_output`` (or every requested output's ``binary_data``) to
+false. Request parameters ``truncate`` and ``normalize`` map onto berth's
+options. Requests share the gateway's admission bound and response cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from importlib import metadata
+
+import grpc
+import numpy as np
+
+from gateway.service import Gateway, Model
+from services.errors import BerthError, InvalidInput, UnknownModel, abort
+from services.proto.berth.v1 import berth_pb2
+from services.proto.inference import grpc_service_pb2 as pb
+from services.proto.inference import grpc_service_pb2_grpc as pb_grpc
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
+VERSION = "1"  # every berth model has exactly one version
+TEXT, EMBEDDING, PROBABILITIES, LABEL = "TEXT", "EMBEDDING", "PROBABILITIES", "LABEL"
+EXTENSIONS = ["model_configuration", "statistics", "binary_tensor_data", "parameters"]
+# Request parameters tritonclient may set that change nothing here.
+IGNORED_PARAMETERS = {"priority"}
+CONTRACT = "TEXT (BYTES, shape [N], one text per element)"
+
+
+def outputs_of(model: Model) -> list[tuple[str, str, list[int]]]:
+    """(name, datatype, shape) of each output; -1 is the number of texts."""
+    if model.entry.task == "embed":
+        return [(EMBEDDING, "FP32", [-1, model.dimension])]
+    return [(PROBABILITIES, "FP32", [-1, len(model.labels)]), (LABEL, "BYTES", [-1])]
+
+
+def decode_texts(request: pb.ModelInferRequest) -> list[str]:
+    """The texts of the TEXT input, raw or typed; raises InvalidInput."""
+    if len(request.inputs) != 1 or request.inputs[0].name != TEXT:
+        names = ", ".join(repr(i.name) for i in request.inputs) or "none"
+        raise InvalidInput(
+            f"model {request.model_name!r} takes exactly one input, {CONTRACT}; "
+            f"got inputs {names}"
+        )
+    tensor = request.inputs[0]
+    if tensor.datatype != "BYTES":
+        raise InvalidInput(f"input TEXT has datatype {tensor.datatype!r}: use BYTES")
+    if len(tensor.shape) != 1:
+        raise InvalidInput(
+            f"input TEXT has shape {list(tensor.shape)}: use [N], one text per element"
+        )
+    n = tensor.shape[0]
+    if request.raw_input_contents:
+        if len(request.raw_input_contents) != 1 or tensor.HasField("contents"):
+            raise InvalidInput(
+                "send TEXT either as one raw_input_contents entry or as "
+                "contents.bytes_contents, not both"
+            )
+        items = split_bytes(request.raw_input_contents[0])
+    else:
+        items = list(tensor.contents.bytes_contents)
+    if len(items) != n:
+        raise InvalidInput(f"input TEXT has shape [{n}] but holds {len(items)} texts")
+    texts = []
+    for i, item in enumerate(items):
+        try:
+            texts.append(item.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise InvalidInput(f"TEXT[{i}] is not UTF-8: {exc.reason}") from None
+    return texts
+
+
+def split_bytes(raw: bytes) -> list[bytes]:
+    """A raw BYTES tensor: each element a 4-byte little-endian length, then it."""
+    items: list[bytes] = []
+    offset = 0
+    while offset < len(raw):
+        if offset + 4 > len(raw):
+            raise InvalidInput(
+                f"raw TEXT contents end inside a length prefix at byte {offset}"
+            )
+        (size,) = struct.unpack_from("<I", raw, offset)
+        offset += 4
+        if offset + size > len(raw):
+            raise InvalidInput(
+                f"raw TEXT element {len(items)} claims {size} bytes, only "
+                f"{len(raw) - offset} remain"
+            )
+        items.append(raw[offset : offset + size])
+        offset += size
+    return items
+
+
+def join_bytes(items: list[bytes]) -> bytes:
+    return b"".join(struct.pack("<I", len(b)) + b for b in items)
+
+
+def flag(name: str, value: pb.InferParameter) -> bool:
+    """A boolean parameter: bool_param, or the strings 'true'/'false'."""
+    kind = value.WhichOneof("parameter_choice")
+    if kind == "bool_param":
+        return value.bool_param
+    if kind == "string_param" and value.string_param.lower() in ("true", "false"):
+        return value.string_param.lower() == "true"
+    raise InvalidInput(f"parameter {name!r} must be a bool, got {kind or 'nothing'}")
+
+
+@dataclass
+class Call:
+    """What one ModelInfer request asks for, validated."""
+
+    options: berth_pb2.Options
+    outputs: list[tuple[str, str, list[int]]]
+    binary: bool
+    timeout_s: float | None
+
+
+def parse_call(
+    request: pb.ModelInferRequest, model: Model, timeout_s: float | None
+) -> Call:
+    """Parameters and requested outputs of a request; raises InvalidInput."""
+    options = berth_pb2.Options()
+    binary = True
+    for name, value in request.parameters.items():
+        if name == "truncate":
+            options.truncate = flag(name, value)
+        elif name == "normalize" and model.entry.task == "embed":
+            options.normalize = flag(name, value)
+        elif name == "binary_data_output":
+            binary = flag(name, value)
+        elif name == "timeout":  # tritonclient's, in microseconds
+            if value.WhichOneof("parameter_choice") != "int64_param":
+                raise InvalidInput("parameter 'timeout' must be int64 microseconds")
+            limit_s = value.int64_param / 1e6
+            timeout_s = limit_s if timeout_s is None else min(timeout_s, limit_s)
+        elif name not in IGNORED_PARAMETERS:
+            known = "truncate" + (", normalize" if model.entry.task == "embed" else "")
+            raise InvalidInput(
+                f"parameter {name!r} is not understood by {model.entry.task} model "
+                f"{model.entry.name!r}; it takes {known}, binary_data_output"
+            )
+    available = {o[0]: o for o in outputs_of(model)}
+    outputs, per_output = [], set()
+    for wanted in request.outputs:
+        if wanted.name not in available:
+            raise InvalidInput(
+                f"model {model.entry.name!r} has no output {wanted.name!r}; "
+                f"its outputs are {', '.join(available)}"
+            )
+        for key, value in wanted.parameters.items():
+            if key != "binary_data":
+                raise InvalidInput(
+                    f"output parameter {key!r} is not supported; use binary_data"
+                )
+            per_output.add(flag(key, value))
+        outputs.append(available[wanted.name])
+    if len(per_output) > 1:
+        raise InvalidInput(
+            "set binary_data the same on every requested output: raw and typed "
+            "outputs cannot be mixed in one response"
+        )
+    binary = per_output.pop() if per_output else binary
+    return Call(options, outputs or list(available.values()), binary, timeout_s)
+
+
+def shape_outputs(
+    request: pb.ModelInferRequest, model: Model, rows: np.ndarray, call: Call
+) -> pb.ModelInferResponse:
+    """The response tensors of one call, raw or typed as the call asked."""
+    response = pb.ModelInferResponse(
+        model_name=model.entry.name, model_version=VERSION, id=request.id
+    )
+    n = len(rows)
+    for name, datatype, shape in call.outputs:
+        tensor = response.outputs.add(
+            name=name, datatype=datatype, shape=[n, *shape[1:]]
+        )
+        if name == LABEL:
+            labels = [model.labels[i].encode() for i in np.argmax(rows, axis=1)]
+            if call.binary:
+                response.raw_output_contents.append(join_bytes(labels))
+            else:
+                tensor.contents.bytes_contents.extend(labels)
+            continue
+        values = rows
+        if name == EMBEDDING:
+            normalize = (
+                call.options.normalize
+                if call.options.HasField("normalize")
+                else model.entry.normalize
+            )
+            if normalize:
+                norms = np.linalg.norm(rows, axis=1, keepdims=True)
+                values = rows / np.maximum(norms, 1e-12)
+        values = np.ascontiguousarray(values, dtype="<f4")
+        if call.binary:
+            response.raw_output_contents.append(values.tobytes())
+        else:
+            tensor.contents.fp32_contents.extend(values.ravel().tolist())
+    return response
+
+
+def duration(count: int, ns: int) -> pb.StatisticDuration:
+    return pb.StatisticDuration(count=count, ns=ns)
+
+
+@dataclass
+class ModelStats:
+    """Counts and cumulative durations of one model's KServe requests.
+
+    A request "executes" when at least one of its texts goes to the batcher;
+    one answered wholly from the response cache is a cache hit and adds to
+    neither queue nor compute. Durations are nanoseconds.
+    """
+
+    success: int = 0
+    success_ns: int = 0
+    fail: int = 0
+    fail_ns: int = 0
+    executions: int = 0
+    queue_ns: int = 0
+    input_ns: int = 0
+    infer_ns: int = 0
+    output_ns: int = 0
+    texts: int = 0
+    cache_hits: int = 0
+    cache_hit_ns: int = 0
+    cache_misses: int = 0
+    cache_miss_ns: int = 0
+    last_ms: int = 0
+
+    def succeeded(
+        self, texts: int, timings: berth_pb2.Timings, run_ns: int, output_ns: int
+    ) -> None:
+        total_ns = run_ns + output_ns
+        self.success += 1
+        self.success_ns += total_ns
+        self.texts += texts
+        self.output_ns += output_ns
+        self.last_ms = time.time_ns() // 1_000_000
+        if timings.tokenize_us == 0:  # nothing was tokenized: all cached
+            self.cache_hits += 1
+            self.cache_hit_ns += total_ns
+            return
+        self.cache_misses += 1
+        self.cache_miss_ns += total_ns
+        self.executions += 1
+        self.input_ns += timings.tokenize_us * 1000
+        self.queue_ns += timings.queue_us * 1000
+        self.infer_ns += timings.inference_us * 1000
+
+    def failed(self, ns: int) -> None:
+        self.fail += 1
+        self.fail_ns += ns
+        self.last_ms = time.time_ns() // 1_000_000
+
+    def to_proto(self, name: str, cached: bool) -> pb.ModelStatistics:
+        stats = pb.InferStatistics(
+            success=duration(self.success, self.success_ns),
+            fail=duration(self.fail, self.fail_ns),
+            queue=duration(self.executions, self.queue_ns),
+            compute_input=duration(self.executions, self.input_ns),
+            compute_infer=duration(self.executions, self.infer_ns),
+            compute_output=duration(self.success, self.output_ns),
+        )
+        if cached:
+            stats.cache_hit.CopyFrom(duration(self.cache_hits, self.cache_hit_ns))
+            stats.cache_miss.CopyFrom(duration(self.cache_misses, self.cache_miss_ns))
+        return pb.ModelStatistics(
+            name=name,
+            version=VERSION,
+            last_inference=self.last_ms,
+            inference_count=self.texts,
+            execution_count=self.executions,
+            inference_stats=stats,
+        )
+
+
+class KServe:
+    """The KServe v2 request path over a Gateway, without gRPC."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.stats = {name: ModelStats() for name in gateway.models}
+
+    def model(self, name: str, version: str) -> Model:
+        model = self.gateway.models.get(name)
+        if model is None:
+            raise UnknownModel(
+                f"unknown model {name!r}; this gateway serves "
+                f"{', '.join(sorted(self.gateway.models))}"
+            )
+        if version not in ("", VERSION):
+            raise UnknownModel(
+                f"model {name!r} has no version {version!r}; its only version is "
+                f"{VERSION} (or leave model_version empty)"
+            )
+        return model
+
+    async def ready(self, name: str | None = None) -> bool:
+        """Whether the batcher has a healthy engine for the model (or all)."""
+        if not self.gateway.batcher.ready.is_set():
+            return False
+        try:
+            models = await self.gateway.batcher.models()
+        except Exception:  # any failure to ask means not ready
+            return False
+        healthy = {m.name: m.healthy_engines > 0 for m in models.models}
+        wanted = [name] if name is not None else list(self.gateway.models)
+        return all(healthy.get(n, False) for n in wanted)
+
+    async def infer(
+        self, request: pb.ModelInferRequest, timeout_s: float | None
+    ) -> pb.ModelInferResponse:
+        model = self.model(request.model_name, request.model_version)
+        stats = self.stats[model.entry.name]
+        t0 = time.perf_counter_ns()
+        try:
+            with self.gateway.admission:
+                texts = decode_texts(request)
+                call = parse_call(request, model, timeout_s)
+                timings = berth_pb2.Timings()
+                answer = await self.gateway._run(
+                    model, texts, call.options, call.timeout_s, timings
+                )
+                t1 = time.perf_counter_ns()
+                response = shape_outputs(request, model, answer.outputs, call)
+                if answer.degraded:  # answered by the CPU fallback (level 3)
+                    response.parameters["berth_degraded"].bool_param = True
+        except Exception:
+            stats.failed(time.perf_counter_ns() - t0)
+            raise
+        stats.succeeded(len(texts), timings, t1 - t0, time.perf_counter_ns() - t1)
+        return response
+
+    def metadata(self, model: Model) -> pb.ModelMetadataResponse:
+        meta = pb.ModelMetadataResponse.TensorMetadata
+        return pb.ModelMetadataResponse(
+            name=model.entry.name,
+            versions=[VERSION],
+            platform="berth",
+            inputs=[meta(name=TEXT, datatype="BYTES", shape=[-1])],
+            outputs=[
+                meta(name=n, datatype=d, shape=s) for n, d, s in outputs_of(model)
+            ],
+        )
+
+    def config(self, model: Model) -> pb.ModelConfig:
+        types = {"FP32": pb.TYPE_FP32, "BYTES": pb.TYPE_STRING}
+        entry = model.entry
+        parameters = {
+            "task": entry.task,
+            "max_tokens": str(entry.max_tokens),
+            "max_texts": str(model.encoder.max_texts),
+            "buckets": ",".join(map(str, entry.buckets)),
+            "pooling": entry.pooling,
+            "normalize": str(entry.normalize).lower(),
+        }
+        return pb.ModelConfig(
+            name=entry.name,
+            platform="berth",
+            backend=entry.backend,
+            max_batch_size=0,
+            input=[pb.ModelInput(name=TEXT, data_type=pb.TYPE_STRING, dims=[-1])],
+            output=[
+                pb.ModelOutput(name=n, data_type=types[d], dims=s)
+                for n, d, s in outputs_of(model)
+            ],
+            parameters={
+                k: pb.ModelParameter(string_value=v) for k, v in parameters.items()
+            },
+        )
+
+    def statistics(self, name: str, version: str) -> pb.ModelStatisticsResponse:
+        names = [self.model(name, version).entry.name] if name else list(self.stats)
+        cached = self.gateway.cache.enabled
+        return pb.ModelStatisticsResponse(
+            model_stats=[self.stats[n].to_proto(n, cached) for n in names]
+        )
+
+
+class KServeService(pb_grpc.GRPCInferenceServiceServicer):
+    """gRPC adapter of KServe: maps berth errors onto status codes."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.kserve = KServe(gateway)
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(self, server)
+
+    async def ServerLive(
+        self, request: pb.ServerLiveRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(
+        self, request: pb.ServerReadyRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=await self.kserve.ready())
+
+    async def ModelReady(
+        self, request: pb.ModelReadyRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelReadyResponse:
+        try:
+            model = self.kserve.model(request.name, request.version)
+        except UnknownModel:
+            return pb.ModelReadyResponse(ready=False)
+        return pb.ModelReadyResponse(ready=await self.kserve.ready(model.entry.name))
+
+    async def ServerMetadata(
+        self, request: pb.ServerMetadataRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ServerMetadataResponse:
+        try:
+            version = metadata.version("berth")
+        except metadata.PackageNotFoundError:
+            version = "unknown"
+        return pb.ServerMetadataResponse(
+            name="berth", version=version, extensions=EXTENSIONS
+        )
+
+    async def ModelMetadata(
+        self, request: pb.ModelMetadataRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelMetadataResponse:
+        try:
+            model = self.kserve.model(request.name, request.version)
+        except BerthError as exc:
+            await abort(context, exc)
+            raise
+        return self.kserve.metadata(model)
+
+    async def ModelConfig(
+        self, request: pb.ModelConfigRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelConfigResponse:
+        try:
+            model = self.kserve.model(request.name, request.version)
+        except BerthError as exc:
+            await abort(context, exc)
+            raise
+        return pb.ModelConfigResponse(config=self.kserve.config(model))
+
+    async def ModelStatistics(
+        self, request: pb.ModelStatisticsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelStatisticsResponse:
+        try:
+            return self.kserve.statistics(request.name, request.version)
+        except BerthError as exc:
+            await abort(context, exc)
+            raise
+
+    async def ModelInfer(
+        self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInferResponse:
+        try:
+            return await self.kserve.infer(request, context.time_remaining())
+        except BerthError as exc:
+            await abort(context, exc)
+            raise
+
+    async def ModelStreamInfer(
+        self,
+        request_iterator: AsyncIterator[pb.ModelInferRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        out: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def answer(request: pb.ModelInferRequest) -> None:
+            try:
+                response = await self.kserve.infer(request, context.time_remaining())
+                out.put_nowait(pb.ModelStreamInferResponse(infer_response=response))
+            except BerthError as exc:
+                # The stream stays open; the id lets the caller match the error.
+                failed = pb.ModelInferResponse(
+                    model_name=request.model_name, id=request.id
+                )
+                out.put_nowait(
+                    pb.ModelStreamInferResponse(
+                        error_message=f"{exc.code.name}: {exc}", infer_response=failed
+                    )
+                )
+
+        async def read() -> None:
+            async for request in request_iterator:
+                task = asyncio.create_task(answer(request))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            if tasks:
+                await asyncio.wait(set(tasks))
+            out.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (response := await out.get()) is not None:
+                yield response
+        finally:
+            reader.cancel()
+            for task in tasks:
+                task.cancel()

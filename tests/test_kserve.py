@@ -1,0 +1,242 @@
+"""KServe v2 over the gateway, called by the stock tritonclient.grpc client.
+
+This process imports tritonclient's own generated `inference` stubs, so it
+never imports berth's (services.proto.inference): both define the same
+protobuf names, and one process can hold only one of them.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.utils import InferenceServerException
+
+from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
+from tests.stack import Stack, health
+from tests.texts import VARIED
+
+
+@pytest.fixture(scope="module")
+def tc(stack: Stack) -> Iterator[triton.InferenceServerClient]:
+    client = triton.InferenceServerClient(url=stack.gateway)
+    yield client
+    client.close()
+
+
+def text_input(texts: list[str]) -> triton.InferInput:
+    tensor = triton.InferInput("TEXT", [len(texts)], "BYTES")
+    tensor.set_data_from_numpy(np.array(texts, dtype=object))
+    return tensor
+
+
+def status_of(call: Any, *args: Any, **kwargs: Any) -> tuple[str, str]:
+    with pytest.raises(InferenceServerException) as info:
+        call(*args, **kwargs)
+    return str(info.value.status()), str(info.value.message())
+
+
+def test_server_and_model_metadata(tc: triton.InferenceServerClient) -> None:
+    assert tc.is_server_live()
+    assert tc.is_server_ready()
+    meta = tc.get_server_metadata(as_json=True)
+    assert meta["name"] == "berth" and "statistics" in meta["extensions"]
+    assert tc.is_model_ready("minilm") and tc.is_model_ready("intent")
+    assert not tc.is_model_ready("nope")
+    model = tc.get_model_metadata("minilm", as_json=True)
+    assert model["versions"] == ["1"]
+    assert model["inputs"] == [{"name": "TEXT", "datatype": "BYTES", "shape": ["-1"]}]
+    assert model["outputs"] == [
+        {"name": "EMBEDDING", "datatype": "FP32", "shape": ["-1", "384"]}
+    ]
+    intent = tc.get_model_metadata("intent", as_json=True)
+    assert [o["name"] for o in intent["outputs"]] == ["PROBABILITIES", "LABEL"]
+    assert intent["outputs"][0]["shape"] == ["-1", "157"]
+
+
+def test_model_config_parses_in_the_stock_client(
+    tc: triton.InferenceServerClient,
+) -> None:
+    config = tc.get_model_config("intent").config
+    assert config.name == "intent" and config.platform == "berth"
+    assert config.backend == "torch" and config.max_batch_size == 0
+    assert [(i.name, i.data_type, list(i.dims)) for i in config.input] == [
+        ("TEXT", 13, [-1])  # TYPE_STRING
+    ]
+    assert [(o.name, list(o.dims)) for o in config.output] == [
+        ("PROBABILITIES", [-1, 157]),
+        ("LABEL", [-1]),
+    ]
+    assert config.parameters["max_tokens"].string_value == "512"
+
+
+def test_embedding_equals_berth_api(
+    tc: triton.InferenceServerClient, client: berth_pb2_grpc.BerthStub
+) -> None:
+    texts = [t for t in VARIED if t.strip()]
+    result = tc.infer("minilm", [text_input(texts)])
+    ours = result.as_numpy("EMBEDDING")
+    assert ours.dtype == np.float32 and ours.shape == (len(texts), 384)
+    berth = client.Embed(berth_pb2.EmbedRequest(model="minilm", texts=texts))
+    reference = np.array([e.values for e in berth.embeddings], dtype=np.float32)
+    np.testing.assert_allclose(ours, reference, atol=1e-6)
+    np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)
+
+
+def test_classifier_outputs_and_requested_outputs(
+    tc: triton.InferenceServerClient,
+) -> None:
+    texts = ["set an alarm for 7 am", "tell me a joke"]
+    result = tc.infer("intent", [text_input(texts)])
+    probs = result.as_numpy("PROBABILITIES")
+    labels = result.as_numpy("LABEL")
+    assert probs.shape == (2, 157)
+    np.testing.assert_allclose(probs.sum(axis=1), 1.0, atol=1e-4)
+    assert labels.tolist() == [b"alarm", b"tell_joke"]
+    only = tc.infer(
+        "intent", [text_input(texts)], outputs=[triton.InferRequestedOutput("LABEL")]
+    )
+    assert only.as_numpy("PROBABILITIES") is None
+    assert only.as_numpy("LABEL").tolist() == labels.tolist()
+
+
+def test_parameters_map_to_options(tc: triton.InferenceServerClient) -> None:
+    raw = tc.infer(
+        "minilm", [text_input(["hello world"])], parameters={"normalize": False}
+    ).as_numpy("EMBEDDING")
+    assert abs(np.linalg.norm(raw) - 1.0) > 1e-3
+    long = "word " * 600
+    status, message = status_of(tc.infer, "minilm", [text_input([long])])
+    assert status == "StatusCode.INVALID_ARGUMENT"
+    assert "over the limit of 512" in message and "truncate" in message
+    cut = tc.infer("minilm", [text_input([long])], parameters={"truncate": True})
+    assert cut.as_numpy("EMBEDDING").shape == (1, 384)
+
+
+def test_typed_contents_in_and_out(stack: Stack) -> None:
+    """bytes_contents in, fp32/bytes contents out, with tritonclient's stubs."""
+    import grpc
+
+    request = service_pb2.ModelInferRequest(model_name="intent", id="typed-1")
+    request.parameters["binary_data_output"].bool_param = False
+    tensor = request.inputs.add(name="TEXT", datatype="BYTES", shape=[2])
+    tensor.contents.bytes_contents.extend([b"set an alarm for 7 am", b"flip a coin"])
+    with grpc.insecure_channel(stack.gateway) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        response = stub.ModelInfer(request, timeout=30)
+    assert response.id == "typed-1" and not response.raw_output_contents
+    probs, labels = response.outputs
+    assert list(probs.shape) == [2, 157] and len(probs.contents.fp32_contents) == 314
+    assert list(labels.contents.bytes_contents) == [b"alarm", b"flip_coin"]
+
+
+@pytest.mark.parametrize(
+    ("model", "name", "datatype", "shape", "kwargs", "status", "fragment"),
+    [
+        ("nope", "TEXT", "BYTES", [1], {}, "NOT_FOUND", "unknown model 'nope'"),
+        ("minilm", "TEXT", "BYTES", [1], {"model_version": "7"}, "NOT_FOUND", "no "),
+        ("minilm", "TXT", "BYTES", [1], {}, "INVALID_ARGUMENT", "inputs 'TXT'"),
+        ("minilm", "TEXT", "FP32", [1], {}, "INVALID_ARGUMENT", "datatype 'FP32'"),
+        ("minilm", "TEXT", "BYTES", [1, 1], {}, "INVALID_ARGUMENT", "shape [1, 1]"),
+        (
+            "minilm",
+            "TEXT",
+            "BYTES",
+            [1],
+            {"outputs": ["LABEL"]},
+            "INVALID_ARGUMENT",
+            "no output 'LABEL'",
+        ),
+        (
+            "minilm",
+            "TEXT",
+            "BYTES",
+            [1],
+            {"parameters": {"normalise": True}},
+            "INVALID_ARGUMENT",
+            "parameter 'normalise'",
+        ),
+    ],
+)
+def test_bad_requests_are_refused_clearly(
+    tc: triton.InferenceServerClient,
+    model: str,
+    name: str,
+    datatype: str,
+    shape: list[int],
+    kwargs: dict[str, Any],
+    status: str,
+    fragment: str,
+) -> None:
+    tensor = triton.InferInput(name, shape, datatype)
+    if datatype == "BYTES":
+        tensor.set_data_from_numpy(np.array(["hi"], dtype=object).reshape(shape))
+    else:
+        tensor.set_data_from_numpy(np.zeros(shape, dtype=np.float32))
+    outputs = [triton.InferRequestedOutput(o) for o in kwargs.pop("outputs", [])]
+    got, message = status_of(
+        tc.infer, model, [tensor], outputs=outputs or None, **kwargs
+    )
+    assert got == f"StatusCode.{status}", message
+    assert fragment in message
+    assert tc.is_server_ready()
+
+
+def test_stream_answers_each_request(tc: triton.InferenceServerClient) -> None:
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    tc.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        for i, text in enumerate(["a b c", "set an alarm for 7 am", ""]):
+            model = "intent" if i == 1 else "minilm"
+            tc.async_stream_infer(model, [text_input([text])], request_id=str(i))
+        got = [answers.get(timeout=60) for _ in range(3)]
+    finally:
+        tc.stop_stream()
+    results = {r.get_response().id: r for r, e in got if e is None}
+    errors = [e for r, e in got if e is not None]
+    assert results["0"].as_numpy("EMBEDDING").shape == (1, 384)
+    assert results["1"].as_numpy("LABEL").tolist() == [b"alarm"]
+    assert len(errors) == 1 and "texts[0] is empty" in errors[0].message()
+
+
+def test_statistics_count_requests_and_cache_hits(
+    tc: triton.InferenceServerClient,
+) -> None:
+    def stats() -> Any:
+        reply = tc.get_inference_statistics("minilm")
+        (model,) = reply.model_stats
+        return model
+
+    before = stats()
+    text = "statistics probe: a text no other test sends"
+    for _ in range(3):
+        tc.infer("minilm", [text_input([text, "and a second one"])])
+    after = stats()
+    assert after.inference_count - before.inference_count == 6
+    s0, s1 = before.inference_stats, after.inference_stats
+    assert s1.success.count - s0.success.count == 3
+    assert s1.success.ns > s0.success.ns
+    assert s1.compute_infer.count - s0.compute_infer.count == 1
+    assert s1.cache_hit.count - s0.cache_hit.count == 2
+    assert s1.cache_miss.count - s0.cache_miss.count == 1
+    assert after.last_inference >= before.last_inference and after.last_inference > 0
+    status, message = status_of(tc.get_inference_statistics, "nope")
+    assert status == "StatusCode.NOT_FOUND" and "unknown model" in message
+
+
+def test_health_and_reflection_know_the_service(stack: Stack) -> None:
+    import grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    assert health(stack.gateway, "inference.GRPCInferenceService") == "SERVING"
+    with grpc.insecure_channel(stack.gateway) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        reply = next(iter(stub.ServerReflectionInfo(iter([request]), timeout=10)))
+    names = {s.name for s in reply.list_services_response.service}
+    assert "inference.GRPCInferenceService" in names
