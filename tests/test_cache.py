@@ -1,21 +1,19 @@
-"""The gateway's response cache: the LRU itself, Gateway._run around it, e2e."""
+"""The gateway's response cache: the LRU itself, then through `berth serve`."""
 
 from __future__ import annotations
 
-import asyncio
-from pathlib import Path
-from typing import Any, cast
+import re
+import urllib.request
+import uuid
+from typing import Any
 
 import grpc
 import numpy as np
 import pytest
 
 from gateway.cache import ENTRY_OVERHEAD_BYTES, ModelCache, ResponseCache
-from gateway.service import Gateway
-from gateway.tokenize import Limits
-from services.errors import InvalidInput
-from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc, internal_pb2
-from services.repository import load_repository
+from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
+from tests.stack import Stack
 
 
 def row(value: float, width: int = 4) -> np.ndarray:
@@ -72,69 +70,45 @@ def test_disabled_cache_stores_nothing() -> None:
         assert not cache.enabled and cache.hits == cache.misses == 0
 
 
-class FakeBatcher:
-    """Answers every sequence with a row derived from its token ids."""
-
-    def __init__(self) -> None:
-        self.calls: list[int] = []
-
-    async def run(
-        self, model: str, ids: list[np.ndarray], timeout_ms: int
-    ) -> list[internal_pb2.SequenceResult]:
-        self.calls.append(len(ids))
-        return [
-            internal_pb2.SequenceResult(
-                output=row(float(seq.sum()), 384).tobytes(),
-                queue_us=5,
-                inference_us=7,
-            )
-            for seq in ids
-        ]
-
-
-@pytest.fixture
-def gateway(repository: Path) -> tuple[Gateway, FakeBatcher]:
-    batcher = FakeBatcher()
-    entries = load_repository(repository)
-    cache = ResponseCache(max_entries=100, max_bytes=1 << 20)
-    return Gateway(entries, cast(Any, batcher), Limits(), 10, cache), batcher
-
-
-def run(gw: Gateway, texts: list[str], truncate: bool = False) -> Any:
-    timings = berth_pb2.Timings()
-    options = berth_pb2.Options(truncate=truncate)
-    out = asyncio.run(gw._run(gw.models["minilm"], texts, options, 10.0, timings))
-    return out, timings
+def batcher_sequences(stack: Stack) -> float:
+    """Sequences the batcher has answered OK for minilm (its /metrics)."""
+    text = urllib.request.urlopen(stack.metrics[1], timeout=10).read().decode()
+    pattern = r'berth_batcher_sequences_total\{model="minilm",outcome="ok"\}'
+    return sum(
+        float(line.rpartition(" ")[2])
+        for line in text.splitlines()
+        if re.fullmatch(pattern, line.rpartition(" ")[0])
+    )
 
 
 def test_hits_skip_the_batcher_and_misses_run_once(
-    gateway: tuple[Gateway, FakeBatcher],
+    stack: Stack, client: berth_pb2_grpc.BerthStub
 ) -> None:
-    gw, batcher = gateway
-    (first, counts), _ = run(gw, ["hello", "world", "hello"])
-    assert batcher.calls == [2]  # the duplicate "hello" ran once
-    (again, counts2), timings = run(gw, ["world", "hello"])
-    assert batcher.calls == [2]  # all hits: the batcher never saw the call
-    assert timings.tokenize_us == timings.inference_us == 0
-    np.testing.assert_array_equal(again, first[[1, 0]])
-    assert counts2 == [counts[1], counts[0]]
-    run(gw, ["hello", "new text"])
-    assert batcher.calls == [2, 1]  # only the miss went out
-    cache = gw.cache.models["minilm"]
-    assert (cache.hits, cache.misses) == (3, 4)
+    tag = uuid.uuid4().hex  # texts no other test sent
+    hello, world, new = f"hello {tag}", f"world {tag}", f"new text {tag}"
+    before = batcher_sequences(stack)
+    first = embed(client, [hello, world, hello])
+    assert batcher_sequences(stack) - before == 2  # the duplicate ran once
+    again = embed(client, [world, hello])
+    assert batcher_sequences(stack) - before == 2  # all hits: batcher untouched
+    assert again.timings.tokenize_us == again.timings.inference_us == 0
+    assert list(again.embeddings[0].values) == list(first.embeddings[1].values)
+    assert list(again.embeddings[1].values) == list(first.embeddings[0].values)
+    embed(client, [hello, new])
+    assert batcher_sequences(stack) - before == 3  # only the miss went out
 
 
 def test_errors_name_the_callers_index_despite_hits(
-    gateway: tuple[Gateway, FakeBatcher],
+    client: berth_pb2_grpc.BerthStub,
 ) -> None:
-    gw, _ = gateway
-    run(gw, ["cached"])
-    with pytest.raises(InvalidInput, match=r"texts\[1\] is empty"):
-        run(gw, ["cached", ""])
+    cached = f"cached {uuid.uuid4().hex}"
+    embed(client, [cached])
+    with pytest.raises(grpc.RpcError, match=r"texts\[1\] is empty"):
+        embed(client, [cached, ""])
     long = "word " * 600
-    run(gw, [long], truncate=True)
-    with pytest.raises(InvalidInput, match=r"texts\[1\] has 602 tokens"):
-        run(gw, ["cached", long])
+    embed(client, [long], truncate=True)
+    with pytest.raises(grpc.RpcError, match=r"texts\[1\] has 602 tokens"):
+        embed(client, [cached, long])
 
 
 # ---- end to end, through `berth serve` --------------------------------------
