@@ -51,3 +51,20 @@ def test_compose_commands_parse_and_prometheus_scrapes_them() -> None:
         assert compose[name]["environment"]["OTEL_SERVICE_NAME"] == name
         assert compose[name]["healthcheck"]["test"][-1].endswith(str(args["port"]))
     assert {"jaeger", "prometheus"} <= set(compose)
+
+
+def test_kubernetes_manifests_run_real_commands() -> None:
+    seen = set()
+    for path in sorted((ROOT / "deploy" / "k8s").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc["kind"] not in ("Deployment", "StatefulSet"):
+                continue
+            for container in doc["spec"]["template"]["spec"]["containers"]:
+                command = container["command"]
+                service = command[2]
+                args = parse(service, command[3:])
+                ports = {p["containerPort"] for p in container["ports"]}
+                assert {args["port"], args["metrics_port"]} <= ports
+                assert container["readinessProbe"]["grpc"]["port"] == args["port"]
+                seen.add(service)
+    assert seen == {"gateway", "batcher", "engine"}
