@@ -100,8 +100,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 ",".join(engine_addresses),
                 "--metrics-port",
                 metrics_port(1),
-                # CPU batches take 100s of ms: hedge on measured p95, not 50 ms.
-                *("--hedge-p95",) * (not gpus),
+                # CPU batches take 100s of ms: hedge on the measured p95, not
+                # after 50 ms, and let batches grow to what keeps a CPU busy.
+                *("--hedge-p95", "--latency-target-ms", "500") * (not gpus),
                 *common,
             ),
         )

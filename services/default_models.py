@@ -38,6 +38,11 @@ from services.repository import ModelEntry
 
 log = logging.getLogger("berth.models")
 
+# The default models serve short texts (queries, utterances: median ~13
+# tokens): finer short buckets than the global templates cut the padding
+# (benchmarks/batcher.py, benchmarks/e2e.py). Capped at the model's 512.
+SHORT_TEXT_BUCKETS = (16, 24, 32, 48, 64, 96, 128, 256, 512)
+
 INTENT_PACKAGE = "rag_intent_classifier"
 HEAD_FILE = "head.safetensors"
 LABELS_FILE = "labels.json"
@@ -187,6 +192,7 @@ def build_minilm(root: Path, checkpoint: Path, force: bool = False) -> Path:
         checkpoint=str(checkpoint),
         pooling="mean",
         normalize=True,
+        buckets=list(SHORT_TEXT_BUCKETS),
     )
     entry_dir = root / entry.name
     if not force and _is_built(entry_dir, entry):
@@ -209,6 +215,7 @@ def build_intent(
         normalize=True,
         head=HEAD_FILE,
         labels=LABELS_FILE,
+        buckets=list(SHORT_TEXT_BUCKETS),
     )
     entry_dir = root / entry.name
     source = models_dir / "LogisticRegression.joblib"

@@ -1,0 +1,625 @@
+"""End to end: open-loop load over berth's API against offline batching.
+
+    python benchmarks/e2e.py                      # start a stack, run, print
+    python benchmarks/e2e.py --out benchmarks/results/e2e_cpu.json
+
+Phases, in one run:
+
+1. offline: the ceiling a user gets with no server at all. The same texts
+   the served phase sends, encoded in this process by sentence-transformers
+   (``encode``, batched, sorted by length as it does) on the same model.
+2. served: `berth serve` on loopback (or --address), driven open-loop:
+   single-text Embed calls arrive as a Poisson process at each rate step,
+   whatever the answers do, from --clients processes (each a Poisson
+   stream of rate/clients). Latency is counted from the scheduled send
+   time, so a late client cannot hide queueing (no coordinated omission).
+   Every served text is distinct, so the response cache never helps here.
+3. cache: texts already served are sent again at one rate: every call is
+   a hit that never reaches the batcher; its latency is the hit path.
+
+Rates are given as fractions of the offline throughput (--rates) or in
+requests per second (--rps). Each step is bounded by --duration seconds
+and --max-requests calls. Texts are a realistic mix: mostly short
+assistant-style queries, a long tail of paragraphs (lognormal lengths).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import multiprocessing as mp
+import os
+import platform
+import random
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "minilm"
+
+# Short queries: the test suite's utterances, plus slots to vary them.
+SLOTS = ["please", "now", "for me", "tomorrow", "tonight", "again", "quickly"]
+# Long-tail paragraphs are drawn from these sentences.
+PROSE = [
+    "The quarterly report shows revenue growing faster than operating costs.",
+    "Our support team answers most tickets within four business hours.",
+    "Customers on the annual plan can export their data at any time.",
+    "The new warehouse in Rotterdam doubles our storage for spare parts.",
+    "Please restart the router before calling the help desk again.",
+    "Battery life dropped sharply after the latest firmware update.",
+    "The recipe calls for two cups of flour and a pinch of salt.",
+    "Shipping to remote islands can take up to three extra weeks.",
+    "Refunds are issued to the original payment method within ten days.",
+    "The museum is closed on Mondays except during school holidays.",
+    "Engineers traced the outage to an expired certificate on the proxy.",
+    "Tenants must give sixty days of notice before moving out.",
+    "The trail climbs steeply for two miles before reaching the lake.",
+    "Most users never change the default privacy settings.",
+    "A cold front will bring heavy rain and strong winds by Thursday.",
+    "The committee postponed its vote until the audit is complete.",
+    "Interest on the savings account is paid monthly.",
+    "The flight was delayed because of fog at the destination airport.",
+    "Version 2.3 fixes a memory leak in the image uploader.",
+    "Children under twelve travel free when accompanied by an adult.",
+    "The contract renews automatically unless cancelled in writing.",
+    "Our model answers questions about billing, shipping and returns.",
+    "Cook the onions slowly until they turn a deep golden brown.",
+    "The library lends laptops to students for up to two weeks.",
+]
+
+
+def make_texts(n: int, seed: int) -> list[str]:
+    """n distinct texts: lognormal word counts, median ~11, long tail to ~220."""
+    from tests.texts import UTTERANCES
+
+    rng = random.Random(seed)
+    texts = []
+    for i in range(n):
+        words = min(220, max(2, round(rng.lognormvariate(math.log(11), 0.9))))
+        if words <= 14:
+            text = f"{rng.choice(UTTERANCES)} {rng.choice(SLOTS)}"
+        else:
+            parts: list[str] = []
+            while len(parts) < words:
+                parts.extend(rng.choice(PROSE).split())
+            text = " ".join(parts[:words])
+        texts.append(f"{text} {i}")  # a number makes every text distinct
+    return texts
+
+
+def token_lengths(texts: list[str], tokenizer_file: Path) -> np.ndarray:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    return np.array([len(e.ids) for e in tokenizer.encode_batch(texts)])
+
+
+# ---- offline ----------------------------------------------------------------
+
+
+def offline(checkpoint: Path, texts: list[str], batch_size: int) -> dict[str, Any]:
+    """sentence-transformers on the same texts, in process: texts per second."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(checkpoint), device="cpu")
+    model.max_seq_length = 512  # as berth serves; no text here comes near it
+    model.encode(texts[:256], batch_size=batch_size)  # warm up
+    start = time.perf_counter()
+    model.encode(texts, batch_size=batch_size, convert_to_numpy=True)
+    seconds = time.perf_counter() - start
+    return {
+        "texts": len(texts),
+        "seconds": round(seconds, 3),
+        "throughput": round(len(texts) / seconds, 1),
+        "batch_size": batch_size,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+# ---- the load generator -----------------------------------------------------
+
+
+@dataclass
+class Plan:
+    """One client process's share of a step: what to send and when."""
+
+    address: str
+    texts: list[str]
+    offsets: list[float]  # seconds after the common start
+    deadline_s: float
+
+
+Row = tuple[float, float, float, str]  # offset, latency, send lag, status
+
+
+def client_main(plan: Plan, ready: Any, go: Any, start_at: Any, results: Any) -> None:
+    """A client process: one asyncio loop, one channel, open-loop sends."""
+    results.put(asyncio.run(_client(plan, ready, go, start_at)))
+
+
+async def _client(
+    plan: Plan, ready: Any, go: Any, start_at: Any
+) -> tuple[list[Row], float]:
+    import grpc
+
+    from services.channels import CHANNEL_OPTIONS
+    from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
+
+    out: list[Row] = []
+    async with grpc.aio.insecure_channel(plan.address, options=CHANNEL_OPTIONS) as ch:
+        stub = berth_pb2_grpc.BerthStub(ch)
+        await ch.channel_ready()
+        ready.put(os.getpid())
+        go.wait()  # every client connected: the parent set start_at
+        t0 = start_at.value
+        cpu0 = time.process_time()
+
+        async def one(text: str, due: float) -> None:
+            sent = time.monotonic()
+            code = "OK"
+            try:
+                await stub.Embed(
+                    berth_pb2.EmbedRequest(model=MODEL, texts=[text]),
+                    timeout=plan.deadline_s,
+                )
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code().name
+            out.append((due - t0, time.monotonic() - due, sent - due, code))
+
+        tasks = []
+        for text, offset in zip(plan.texts, plan.offsets, strict=True):
+            due = t0 + offset
+            delay = due - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(text, due)))
+        await asyncio.gather(*tasks)
+        cpu = time.process_time() - cpu0
+    return out, cpu
+
+
+def server_cpu(supervisor_pid: int | None) -> dict[str, float]:
+    """CPU seconds used so far by each child of `berth serve`, by role."""
+    if supervisor_pid is None:
+        return {}
+    tick = os.sysconf("SC_CLK_TCK")
+    used: dict[str, float] = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            stat = (proc / "stat").read_text()
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        fields = stat.rsplit(")", 1)[-1].split()
+        if not proc.name.isdigit() or int(fields[1]) != supervisor_pid:
+            continue
+        role = cmdline[2].decode() if len(cmdline) > 2 else "?"  # python -m ROLE
+        used[role] = used.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return used
+
+
+@dataclass
+class Step:
+    """What one rate step measured."""
+
+    name: str
+    rate: float
+    sent: int = 0
+    ok: int = 0
+    shed: int = 0
+    errors: int = 0
+    throughput: float = 0.0
+    p50_ms: float = 0.0
+    p90_ms: float = 0.0
+    p99_ms: float = 0.0
+    send_lag_p99_ms: float = 0.0
+    # Latency from the actual send, without the client's lateness.
+    p50_from_send_ms: float = 0.0
+    p99_from_send_ms: float = 0.0
+    error_codes: dict[str, int] = field(default_factory=dict)
+    # CPU seconds each role used during the step (engine, batcher, ...).
+    cpu_s: dict[str, float] = field(default_factory=dict)
+
+
+def run_step(
+    name: str,
+    address: str,
+    texts: list[str],
+    rate: float,
+    clients: int,
+    deadline_s: float,
+    seed: int,
+    supervisor_pid: int | None,
+) -> Step:
+    """Send texts as Poisson arrivals at rate, split over client processes."""
+    rng = random.Random(seed)
+    offsets, t = [], 0.0
+    for _ in texts:
+        t += rng.expovariate(rate)
+        offsets.append(t)
+    # Each arrival goes to a random client: each sees a Poisson stream too.
+    shares: list[tuple[list[str], list[float]]] = [([], []) for _ in range(clients)]
+    for text, offset in zip(texts, offsets, strict=True):
+        mine = shares[rng.randrange(clients)]
+        mine[0].append(text)
+        mine[1].append(offset)
+    ctx = mp.get_context("spawn")
+    ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    start_at = ctx.Value("d", 0.0)
+    procs = [
+        ctx.Process(
+            target=client_main,
+            args=(Plan(address, s[0], s[1], deadline_s), ready, go, start_at, results),
+        )
+        for s in shares
+    ]
+    for p in procs:
+        p.start()
+    for _ in procs:
+        ready.get(timeout=120)
+    before = server_cpu(supervisor_pid)
+    start_at.value = time.monotonic() + 0.2
+    go.set()
+    answers = [results.get() for _ in procs]
+    after = server_cpu(supervisor_pid)
+    for p in procs:
+        p.join()
+    step = summarize(name, rate, [row for rows, _ in answers for row in rows])
+    step.cpu_s = {role: round(after[role] - before.get(role, 0.0), 2) for role in after}
+    step.cpu_s["clients"] = round(sum(cpu for _, cpu in answers), 2)
+    return step
+
+
+def summarize(name: str, rate: float, rows: list[Row]) -> Step:
+    step = Step(name=name, rate=round(rate, 1), sent=len(rows))
+    ok = np.array([lat for _, lat, _, code in rows if code == "OK"])
+    for _, _, _, code in rows:
+        if code == "RESOURCE_EXHAUSTED":
+            step.shed += 1
+        elif code != "OK":
+            step.errors += 1
+            step.error_codes[code] = step.error_codes.get(code, 0) + 1
+    step.ok = len(ok)
+    if step.ok:
+        # From the first scheduled send to the last answer.
+        span = max(off + lat for off, lat, _, _ in rows) - min(r[0] for r in rows)
+        step.throughput = round(step.ok / span, 1)
+        p50, p90, p99 = np.percentile(ok, [50, 90, 99]) * 1000
+        step.p50_ms, step.p90_ms, step.p99_ms = (
+            round(float(p50), 2),
+            round(float(p90), 2),
+            round(float(p99), 2),
+        )
+    step.send_lag_p99_ms = round(
+        float(np.percentile([lag for _, _, lag, _ in rows], 99)) * 1000, 2
+    )
+    if step.ok:
+        sent = [lat - lag for _, lat, lag, code in rows if code == "OK"]
+        p50, p99 = np.percentile(sent, [50, 99]) * 1000
+        step.p50_from_send_ms, step.p99_from_send_ms = round(p50, 2), round(p99, 2)
+    return step
+
+
+# ---- the run ----------------------------------------------------------------
+
+
+@dataclass
+class Profile:
+    """One way to start the stack: engines, length buckets, BERTH_* settings."""
+
+    name: str
+    about: str
+    engines: int = 1
+    buckets: list[int] | None = None  # None: the repository's own
+    env: dict[str, str] = field(default_factory=dict)
+
+
+PROFILES = {
+    "stock": Profile("stock", "`berth serve` as shipped: 1 engine on every core"),
+    # Measured on 2 cores: two single-threaded engines beat one 2-thread
+    # engine (small CPU batches use a second thread poorly), finer short
+    # buckets halve the padding of the mostly-short mix, and a looser batch
+    # latency target keeps batches from shrinking under CPU batch times.
+    "cpu": Profile(
+        "cpu",
+        "CPU-tuned: 2 engines x 1 thread, finer short buckets, "
+        "batch latency target 500 ms, max delay 50 ms",
+        engines=2,
+        buckets=[12, 16, 24, 32, 48, 64, 128, 256, 512],
+        env={"BERTH_LATENCY_TARGET_MS": "500", "BERTH_MAX_DELAY_MS": "50"},
+    ),
+}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--address", help="a running gateway (default: start one)")
+    parser.add_argument(
+        "--model-repository",
+        default=os.environ.get(
+            "BERTH_MODEL_REPOSITORY", str(ROOT / "model_repository")
+        ),
+    )
+    parser.add_argument(
+        "--profiles",
+        default="stock,cpu",
+        help=f"stacks to start and measure, of {', '.join(PROFILES)}",
+    )
+    parser.add_argument(
+        "--rates",
+        default="0.5,0.75,0.9,1.0,1.1",
+        help="rate steps as fractions of the offline throughput",
+    )
+    parser.add_argument("--rps", help="rate steps in requests/s (overrides --rates)")
+    parser.add_argument("--duration", type=float, default=10.0, help="s per step")
+    parser.add_argument("--max-requests", type=int, default=2000, help="per step")
+    parser.add_argument(
+        "--clients", type=int, default=0, help="client processes (0: 1 per 600 rps)"
+    )
+    parser.add_argument("--deadline-s", type=float, default=10.0, help="per call")
+    parser.add_argument("--batch-size", type=int, default=32, help="offline batch")
+    parser.add_argument(
+        "--offline-throughput",
+        type=float,
+        help="skip phase 1 and use this texts/s (quick tuning runs only)",
+    )
+    custom = parser.add_argument_group(
+        "a custom profile (measured as 'custom' when any of these is given)"
+    )
+    custom.add_argument("--engines", type=int, help="engine processes")
+    custom.add_argument("--buckets", help="length buckets, e.g. 16,32,48,64,512")
+    custom.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="BERTH_X=V",
+        help="settings for the stack, e.g. BERTH_MAX_DELAY_MS=2 (repeatable)",
+    )
+    parser.add_argument("--seed", type=int, default=8)
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    return parser.parse_args()
+
+
+def profiles_of(args: argparse.Namespace) -> list[Profile]:
+    if args.address:
+        return [Profile("external", f"the gateway at {args.address}")]
+    chosen = []
+    for name in filter(None, args.profiles.split(",")):
+        if name not in PROFILES:
+            raise SystemExit(f"unknown profile {name!r}; use {', '.join(PROFILES)}")
+        chosen.append(PROFILES[name])
+    if args.engines or args.buckets or args.env:
+        chosen.append(
+            Profile(
+                "custom",
+                "from --engines/--buckets/--env",
+                engines=args.engines or 1,
+                buckets=[int(b) for b in args.buckets.split(",")]
+                if args.buckets
+                else None,
+                env=dict(kv.split("=", 1) for kv in args.env),
+            )
+        )
+    return chosen
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    cpu = platform.processor()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return {
+        "cpu": cpu,
+        "cores": len(os.sched_getaffinity(0)),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def rebucketed(repository: Path, buckets: list[int], into: Path) -> Path:
+    """A copy of the repository with other length buckets (files linked)."""
+    from services.repository import load_repository
+
+    for name, entry in load_repository(repository).items():
+        source, target = Path(entry.root), into / name
+        target.mkdir(parents=True, exist_ok=True)
+        for path in source.iterdir():
+            if path.name != "berth.json":
+                (target / path.name).symlink_to(path.resolve())
+        entry.checkpoint = str(entry.checkpoint_dir)
+        entry.buckets = buckets
+        (target / "berth.json").write_text(entry.to_json())
+    return into
+
+
+def table(steps: list[Step]) -> str:
+    head = (
+        f"{'step':<12}{'rate/s':>8}{'sent':>6}{'ok':>6}{'shed':>6}{'err':>5}"
+        f"{'tput/s':>8}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}{'lag99':>8}"
+        "  cpu s: engine/batcher/gateway/clients"
+    )
+    lines = [head, "-" * len(head)]
+    for s in steps:
+        cpu = "/".join(
+            f"{s.cpu_s.get(role, 0.0):.1f}"
+            for role in ("engine", "batcher", "gateway", "clients")
+        )
+        lines.append(
+            f"{s.name:<12}{s.rate:>8.1f}{s.sent:>6}{s.ok:>6}{s.shed:>6}{s.errors:>5}"
+            f"{s.throughput:>8.1f}{s.p50_ms:>9.2f}{s.p90_ms:>9.2f}{s.p99_ms:>9.2f}"
+            f"{s.send_lag_p99_ms:>8.2f}  {cpu}"
+        )
+    return "\n".join(lines)
+
+
+def serve_and_measure(
+    profile: Profile,
+    args: argparse.Namespace,
+    repository: Path,
+    pool: list[str],
+    rates: list[float],
+) -> list[Step]:
+    """Phases 2 and 3 on one stack: the rate steps, then the cache hits."""
+    stack = None
+    address = args.address
+    if address is None:
+        from tests.stack import Stack
+
+        served = repository
+        if profile.buckets:
+            into = Path(tempfile.mkdtemp(prefix="berth-bench-"))
+            served = rebucketed(repository, profile.buckets, into)
+        stack = Stack(served, engines=profile.engines, env=profile.env)
+        stack.wait_serving()
+        address = stack.gateway
+    pid = stack.proc.pid if stack is not None else None
+    steps: list[Step] = []
+    try:
+        for i, rate in enumerate(rates):
+            n = min(args.max_requests, max(1, round(rate * args.duration)))
+            texts = pool[i * args.max_requests : i * args.max_requests + n]
+            clients = args.clients or max(1, math.ceil(rate / 600))
+            step = run_step(
+                f"served {i + 1}",
+                address,
+                texts,
+                rate,
+                clients,
+                args.deadline_s,
+                i,
+                pid,
+            )
+            steps.append(step)
+            print(table([step]).splitlines()[-1], flush=True)
+        # 3. The cache hit path: step 1's texts again, at step 1's rate.
+        hit = run_step(
+            "cache hits",
+            address,
+            pool[: steps[0].sent],
+            rates[0],
+            1,
+            args.deadline_s,
+            99,
+            pid,
+        )
+        steps.append(hit)
+        print(table([hit]).splitlines()[-1], flush=True)
+    finally:
+        if stack is not None:
+            stack.stop()
+    return steps
+
+
+def main() -> int:
+    args = parse_args()
+    sys.path.insert(0, str(ROOT))
+    from services.repository import load_repository
+
+    repository = Path(args.model_repository)
+    if not (repository / MODEL / "berth.json").exists():
+        from services.default_models import build_default_repository
+
+        build_default_repository(repository)
+    entry = load_repository(repository)[MODEL]
+    profiles = profiles_of(args)
+    fractions = [float(r) for r in args.rates.split(",")]
+    steps_n = len(args.rps.split(",")) if args.rps else len(fractions)
+    pool = make_texts(steps_n * args.max_requests, args.seed)
+    lengths = token_lengths(pool, entry.tokenizer_file)
+    mix = {
+        "texts": len(pool),
+        "tokens_p50": int(np.percentile(lengths, 50)),
+        "tokens_p90": int(np.percentile(lengths, 90)),
+        "tokens_p99": int(np.percentile(lengths, 99)),
+        "tokens_max": int(lengths.max()),
+        "tokens_mean": round(float(lengths.mean()), 1),
+    }
+    info = machine()
+    print(f"machine: {info}", flush=True)
+    print(f"text mix: {mix}", flush=True)
+
+    # 1. Offline, before any server runs, so it has the machine to itself.
+    if args.offline_throughput:
+        base: dict[str, Any] = {"throughput": args.offline_throughput, "given": True}
+    else:
+        base = offline(entry.checkpoint_dir, pool, args.batch_size)
+    print(f"offline sentence-transformers: {base}", flush=True)
+    if args.rps:
+        rates = [float(r) for r in args.rps.split(",")]
+    else:
+        rates = [f * base["throughput"] for f in fractions]
+
+    results: dict[str, Any] = {}
+    for profile in profiles:
+        print(f"\n== {profile.name}: {profile.about}", flush=True)
+        steps = serve_and_measure(profile, args, repository, pool, rates)
+        clean = [s for s in steps[:-1] if s.ok and (s.shed + s.errors) <= 0.01 * s.sent]
+        best = max((s.throughput for s in clean), default=0.0)
+        results[profile.name] = {
+            "profile": asdict(profile),
+            "steps": [asdict(s) for s in steps],
+            "served_best_throughput": best,
+            "served_over_offline": round(best / base["throughput"], 3),
+        }
+
+    print(
+        f"\noffline sentence-transformers, batch {args.batch_size}, same texts: "
+        f"{base['throughput']:.1f} texts/s"
+    )
+    for name, result in results.items():
+        steps = [Step(**s) for s in result["steps"]]
+        hit, first = steps[-1], steps[0]
+        print(f"\n== {name}: {PROFILES.get(name, Profile(name, '')).about}")
+        print(table(steps))
+        print(
+            f"served single-text Embed calls: {result['served_best_throughput']:.1f} "
+            "texts/s (best step with <= 1% shed+errors); served/offline = "
+            f"{result['served_over_offline']:.2f}"
+        )
+        print(
+            f"cache hit path at {hit.rate:.0f} req/s: p50 {hit.p50_ms:.2f} ms, "
+            f"p99 {hit.p99_ms:.2f} ms (from the actual send: p50 "
+            f"{hit.p50_from_send_ms:.2f}, p99 {hit.p99_from_send_ms:.2f}); misses "
+            f"at that rate: p50 {first.p50_ms:.2f} ms, p99 {first.p99_ms:.2f} ms"
+        )
+    if args.out:
+        document = {
+            "benchmark": "benchmarks/e2e.py",
+            "date": datetime.now(UTC).isoformat(timespec="seconds"),
+            "machine": info,
+            "command": " ".join(["python", *sys.argv]),
+            "model": MODEL,
+            "api": "berth.v1.Berth/Embed, one text per call",
+            "text_mix": mix,
+            "offline": base,
+            "profiles": results,
+        }
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(document, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
