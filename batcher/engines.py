@@ -136,7 +136,14 @@ class EnginePool:
         return [e for e in self.engines if e.healthy and model in e.models]
 
     def available(self, model: str) -> list[EngineClient]:
-        return [e for e in self.serving(model) if e.available]
+        """Engines taking batches: not ejected, unless every one is.
+
+        Ejection routes around a bad engine while good ones exist; with all
+        of them ejected there is nothing to route to, so all are tried (the
+        model's circuit breaker is what stops a failing fleet being hammered).
+        """
+        serving = self.serving(model)
+        return [e for e in serving if e.available] or serving
 
     def pick(
         self,

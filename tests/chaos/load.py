@@ -31,6 +31,8 @@ class LoadResult:
     latencies: list[float] = field(default_factory=list)
     degraded: int = 0
     sent: int = 0
+    # (perf_counter at send, outcome) of every call
+    calls: list[tuple[float, str]] = field(default_factory=list)
 
     @property
     def answered(self) -> int:
@@ -85,9 +87,11 @@ async def run_load(
                     reply = await stub.Embed(request, timeout=timeout_s)
                 except grpc.aio.AioRpcError as exc:
                     result.outcomes[exc.code().name] += 1
+                    result.calls.append((start, exc.code().name))
                     continue
                 result.latencies.append(time.perf_counter() - start)
                 result.outcomes["OK"] += 1
+                result.calls.append((start, "OK"))
                 result.degraded += reply.degraded
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
