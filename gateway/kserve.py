@@ -18,7 +18,6 @@ options. Requests share the gateway's admission bound and response cache.
 
 from __future__ import annotations
 
-import asyncio
 import struct
 import time
 from collections.abc import AsyncIterator
@@ -33,6 +32,7 @@ from services.errors import BerthError, InvalidInput, UnknownModel, abort
 from services.proto.berth.v1 import berth_pb2
 from services.proto.inference import grpc_service_pb2 as pb
 from services.proto.inference import grpc_service_pb2_grpc as pb_grpc
+from services.streams import answer_concurrently
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 VERSION = "1"  # every berth model has exactly one version
@@ -477,38 +477,18 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
         request_iterator: AsyncIterator[pb.ModelInferRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
-        out: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
-        tasks: set[asyncio.Task[None]] = set()
-
-        async def answer(request: pb.ModelInferRequest) -> None:
+        async def answer(request: pb.ModelInferRequest) -> pb.ModelStreamInferResponse:
             try:
                 response = await self.kserve.infer(request, context.time_remaining())
-                out.put_nowait(pb.ModelStreamInferResponse(infer_response=response))
+                return pb.ModelStreamInferResponse(infer_response=response)
             except BerthError as exc:
                 # The stream stays open; the id lets the caller match the error.
                 failed = pb.ModelInferResponse(
                     model_name=request.model_name, id=request.id
                 )
-                out.put_nowait(
-                    pb.ModelStreamInferResponse(
-                        error_message=f"{exc.code.name}: {exc}", infer_response=failed
-                    )
+                return pb.ModelStreamInferResponse(
+                    error_message=f"{exc.code.name}: {exc}", infer_response=failed
                 )
 
-        async def read() -> None:
-            async for request in request_iterator:
-                task = asyncio.create_task(answer(request))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-            if tasks:
-                await asyncio.wait(set(tasks))
-            out.put_nowait(None)
-
-        reader = asyncio.create_task(read())
-        try:
-            while (response := await out.get()) is not None:
-                yield response
-        finally:
-            reader.cancel()
-            for task in tasks:
-                task.cancel()
+        async for response in answer_concurrently(request_iterator, answer):
+            yield response

@@ -30,6 +30,7 @@ from services.errors import (
 )
 from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
 from services.repository import ModelEntry
+from services.streams import answer_concurrently
 from services.telemetry import SpanKind, extract, inject, tracer
 
 log = logging.getLogger("berth.gateway")
@@ -410,10 +411,7 @@ class BerthService(berth_pb2_grpc.BerthServicer):
         request_iterator: AsyncIterator[berth_pb2.StreamRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[berth_pb2.StreamResponse]:
-        out: asyncio.Queue[berth_pb2.StreamResponse | None] = asyncio.Queue()
-        tasks: set[asyncio.Task[None]] = set()
-
-        async def answer(request: berth_pb2.StreamRequest) -> None:
+        async def answer(request: berth_pb2.StreamRequest) -> berth_pb2.StreamResponse:
             kind = request.WhichOneof("request")
             inner = request.embed if kind == "embed" else request.classify
             try:
@@ -423,8 +421,8 @@ class BerthService(berth_pb2_grpc.BerthServicer):
                         inner.model,
                         self.gateway.embed(request.embed, context.time_remaining()),
                     )
-                    out.put_nowait(berth_pb2.StreamResponse(embed=e))
-                elif kind == "classify":
+                    return berth_pb2.StreamResponse(embed=e)
+                if kind == "classify":
                     c = await self.gateway.counted(
                         "stream",
                         inner.model,
@@ -432,34 +430,16 @@ class BerthService(berth_pb2_grpc.BerthServicer):
                             request.classify, context.time_remaining()
                         ),
                     )
-                    out.put_nowait(berth_pb2.StreamResponse(classify=c))
-                else:
-                    raise InvalidInput("StreamRequest holds neither embed nor classify")
-            except BerthError as exc:
-                out.put_nowait(
-                    berth_pb2.StreamResponse(
-                        error=berth_pb2.StreamError(
-                            request_id=inner.request_id,
-                            code=exc.code.name,
-                            message=str(exc),
-                        )
+                    return berth_pb2.StreamResponse(classify=c)
+                raise InvalidInput("StreamRequest holds neither embed nor classify")
+            except BerthError as exc:  # the stream stays open
+                return berth_pb2.StreamResponse(
+                    error=berth_pb2.StreamError(
+                        request_id=inner.request_id,
+                        code=exc.code.name,
+                        message=str(exc),
                     )
                 )
 
-        async def read() -> None:
-            async for request in request_iterator:
-                task = asyncio.create_task(answer(request))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-            if tasks:
-                await asyncio.wait(set(tasks))
-            out.put_nowait(None)
-
-        reader = asyncio.create_task(read())
-        try:
-            while (response := await out.get()) is not None:
-                yield response
-        finally:
-            reader.cancel()
-            for task in tasks:
-                task.cancel()
+        async for response in answer_concurrently(request_iterator, answer):
+            yield response

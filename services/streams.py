@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, Generic, TypeVar
 
 import grpc
@@ -143,3 +143,40 @@ class StreamClient(Generic[Out, In, Item]):
 async def _drain(queue: asyncio.Queue[Out]) -> AsyncIterator[Out]:
     while True:
         yield await queue.get()
+
+
+Request = TypeVar("Request")
+Response = TypeVar("Response")
+
+
+async def answer_concurrently(
+    requests: AsyncIterator[Request],
+    answer: Callable[[Request], Awaitable[Response]],
+) -> AsyncIterator[Response]:
+    """Serve a bidi stream: each request runs as its own task, answers are
+    yielded as they complete (out of order); the stream ends once the caller
+    has closed its side and every answer is out. ``answer`` must not raise:
+    it turns its own errors into a response."""
+    out: asyncio.Queue[Response | None] = asyncio.Queue()
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def run(request: Request) -> None:
+        out.put_nowait(await answer(request))
+
+    async def read() -> None:
+        async for request in requests:
+            task = asyncio.create_task(run(request))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        if tasks:
+            await asyncio.wait(set(tasks))
+        out.put_nowait(None)
+
+    reader = asyncio.create_task(read())
+    try:
+        while (response := await out.get()) is not None:
+            yield response
+    finally:
+        reader.cancel()
+        for task in tasks:
+            task.cancel()
