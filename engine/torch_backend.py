@@ -90,6 +90,11 @@ class TorchBackend:
     def run(self, model: str, token_ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         served = self.model(model)
         check_batch(token_ids, lengths)
+        if self.torch_device.type == "cpu" and lengths.size:
+            # Eager CPU has no fixed shapes to keep: compute only up to the
+            # longest row, not the bucket's padded length.
+            longest = max(int(lengths.max()), 1)
+            token_ids = token_ids[:, :longest]
         with torch.inference_mode():
             ids, lens = self.copy_in(token_ids), self.copy_in(lengths)
             out = self.forward(served, ids, lens)
