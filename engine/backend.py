@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import importlib
 import logging
-from typing import Protocol, runtime_checkable
+import time
+from collections.abc import Mapping
+from typing import Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
@@ -86,4 +88,35 @@ def create_backend(name: str, device: str) -> Backend:
     raise BackendError(
         f"no backend could start on {device!r} ({'; '.join(reasons)}); "
         "change the model's backend or the engine's device to one that works here"
+    )
+
+
+Loaded = TypeVar("Loaded")
+
+
+def loaded(models: Mapping[str, Loaded], name: str, backend: str) -> Loaded:
+    """A backend's loaded model by name; the error lists what is loaded."""
+    try:
+        return models[name]
+    except KeyError:
+        raise BackendError(
+            f"model {name!r} is not loaded on backend {backend} "
+            f"(loaded: {sorted(models)})"
+        ) from None
+
+
+def warm_up_eagerly(
+    backend: Backend, model: str, shapes: list[tuple[int, int]], min_length: int = 1
+) -> None:
+    """Run one all-padding batch of each (batch, length) shape, and log how long."""
+    start = time.perf_counter()
+    for batch, length in shapes:
+        length = max(length, min_length)
+        ids = np.zeros((batch, length), dtype=np.int32)
+        backend.run(model, ids, np.full(batch, length, dtype=np.int32))
+    log.info(
+        "model %s warmed up on %d shapes in %.2f s",
+        model,
+        len(shapes),
+        time.perf_counter() - start,
     )

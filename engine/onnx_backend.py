@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.backend import BackendError
+from engine.backend import BackendError, loaded, warm_up_eagerly
 from engine.onnx_export import OUTPUT_NAME, cache_dir, export_entry
 from engine.torch_backend import check_batch, default_threads
 from services.repository import ModelEntry
@@ -152,22 +152,7 @@ class OnnxRuntimeBackend:
         return out.astype(np.float32, copy=False)
 
     def warmup(self, model: str, shapes: list[tuple[int, int]]) -> None:
-        start = time.perf_counter()
-        for batch, length in shapes:
-            ids = np.zeros((batch, max(length, 2)), dtype=np.int32)
-            self.run(model, ids, np.full(batch, ids.shape[1], dtype=np.int32))
-        log.info(
-            "model %s warmed up on %d shapes in %.2f s",
-            model,
-            len(shapes),
-            time.perf_counter() - start,
-        )
+        warm_up_eagerly(self, model, shapes, min_length=2)
 
     def model(self, name: str) -> OnnxModel:
-        try:
-            return self._models[name]
-        except KeyError:
-            raise BackendError(
-                f"model {name!r} is not loaded on backend {self.name} "
-                f"(loaded: {sorted(self._models)})"
-            ) from None
+        return loaded(self._models, name, self.name)

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.backend import BackendError
+from engine.backend import BackendError, loaded
 from engine.calibration import calibration_texts
 from engine.onnx_export import cache_dir, export_entry, file_sha256
 from engine.pinned import Slot, SlotRing
@@ -210,13 +210,7 @@ class TensorRTBackend:
         )
 
     def model(self, name: str) -> TrtModel:
-        try:
-            return self._models[name]
-        except KeyError:
-            raise BackendError(
-                f"model {name!r} is not loaded on backend {self.name} "
-                f"(loaded: {sorted(self._models)})"
-            ) from None
+        return loaded(self._models, name, self.name)
 
     # Steps.
 

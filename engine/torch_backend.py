@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 
 import numpy as np
 import torch
 
-from engine.backend import BackendError
+from engine.backend import loaded, warm_up_eagerly
 from engine.model import ServedModel, load_served_model
 from services.repository import ModelEntry
 
@@ -101,27 +100,12 @@ class TorchBackend:
             return self.copy_out(out)
 
     def warmup(self, model: str, shapes: list[tuple[int, int]]) -> None:
-        start = time.perf_counter()
-        for batch, length in shapes:
-            ids = np.zeros((batch, length), dtype=np.int32)
-            self.run(model, ids, np.full(batch, length, dtype=np.int32))
-        log.info(
-            "model %s warmed up on %d shapes in %.2f s",
-            model,
-            len(shapes),
-            time.perf_counter() - start,
-        )
+        warm_up_eagerly(self, model, shapes)
 
     # The steps a subclass may replace.
 
     def model(self, name: str) -> ServedModel:
-        try:
-            return self._models[name]
-        except KeyError:
-            raise BackendError(
-                f"model {name!r} is not loaded on backend {self.name} "
-                f"(loaded: {sorted(self._models)})"
-            ) from None
+        return loaded(self._models, name, self.name)
 
     def copy_in(self, array: np.ndarray) -> torch.Tensor:
         """Host array -> device tensor; shares memory on the CPU (no copy)."""
