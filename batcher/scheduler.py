@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 from opentelemetry import trace
-from opentelemetry.trace import Link
+from opentelemetry.trace import INVALID_SPAN, Link
 
 from batcher import metrics
 from batcher.adaptive import AdaptiveSizer
@@ -33,7 +33,14 @@ from batcher.resilience import BreakerState, CircuitBreaker, HedgeBudget
 from services.errors import BerthError, EngineFailure, Unavailable
 from services.proto.berth.v1 import internal_pb2
 from services.repository import ModelEntry
-from services.telemetry import Span, extract, inject, record_error, tracer
+from services.telemetry import (
+    Span,
+    extract,
+    inject,
+    record_error,
+    recording,
+    tracer,
+)
 
 log = logging.getLogger("berth.batcher")
 TRACER = tracer("batcher")
@@ -156,12 +163,18 @@ class ModelScheduler:
             code = grpc.StatusCode.INVALID_ARGUMENT
             self._refuse(group, deliver, code, "invalid", str(exc))
             return []
-        parent = extract(group.trace_context)
-        for reply_id, key in zip(group.ids, keys, strict=True):
-            span = TRACER.start_span(
-                "batcher.queue", context=parent, attributes={"berth.model": self.name}
-            )
-            self.waiters[key] = Waiter(reply_id, deliver, now, span)
+        if recording():
+            parent = extract(group.trace_context)
+            for reply_id, key in zip(group.ids, keys, strict=True):
+                span = TRACER.start_span(
+                    "batcher.queue",
+                    context=parent,
+                    attributes={"berth.model": self.name},
+                )
+                self.waiters[key] = Waiter(reply_id, deliver, now, span)
+        else:  # no span per sequence when none is exported
+            for reply_id, key in zip(group.ids, keys, strict=True):
+                self.waiters[key] = Waiter(reply_id, deliver, now, INVALID_SPAN)
         metrics.QUEUE_DEPTH.labels(self.name).set(len(self.core))
         self._wake.set()
         return list(zip(group.ids, keys, strict=True))
@@ -283,25 +296,31 @@ class ModelScheduler:
         keys = [int(k) for k in batch.ids]
         length = batch.length
         ratio = batch.real_tokens / (batch.size * length)
+        queue_wait = metrics.QUEUE_WAIT.labels(self.name, length)
+        traced = recording()
         links = []
         for key in keys:
             waiter = self.waiters.get(key)
             if waiter is not None:
-                wait = now - waiter.enqueued_at
-                metrics.QUEUE_WAIT.labels(self.name, length).observe(wait)
-                waiter.span.set_attribute("berth.bucket", length)
-                waiter.span.end()
-                links.append(waiter.span.get_span_context())
-        span = TRACER.start_span(
-            "batcher.batch",
-            links=[Link(c) for c in links],
-            attributes={
-                "berth.model": self.name,
-                "berth.bucket": length,
-                "berth.batch_size": batch.size,
-                "berth.padded_ratio": round(ratio, 4),
-            },
-        )
+                queue_wait.observe(now - waiter.enqueued_at)
+                if traced:
+                    waiter.span.set_attribute("berth.bucket", length)
+                    waiter.span.end()
+                    links.append(Link(waiter.span.get_span_context()))
+        span: Span = INVALID_SPAN
+        trace_context: dict[str, str] = {}
+        if traced:
+            span = TRACER.start_span(
+                "batcher.batch",
+                links=links,
+                attributes={
+                    "berth.model": self.name,
+                    "berth.bucket": length,
+                    "berth.batch_size": batch.size,
+                    "berth.padded_ratio": round(ratio, 4),
+                },
+            )
+            trace_context = inject(trace.set_span_in_context(span))
         message = internal_pb2.Batch(
             id=next(self._batch_ids),
             model=self.name,
@@ -309,7 +328,7 @@ class ModelScheduler:
             length=length,
             token_ids=bytes(batch.tokens),
             lengths=bytes(batch.lengths),
-            trace_context=inject(trace.set_span_in_context(span)),
+            trace_context=trace_context,
         )
         metrics.BATCHES.labels(self.name, length).inc()
         metrics.BATCH_SIZE.labels(self.name, length).observe(batch.size)
@@ -351,11 +370,12 @@ class ModelScheduler:
             len(keys), result.width
         )
         inference_us = int(latency * 1e6)
+        answered = 0
         for row, key in enumerate(keys):
             waiter = self.waiters.pop(key, None)
             if waiter is None:  # cancelled while computing
                 continue
-            metrics.SEQUENCES.labels(self.name, "ok").inc()
+            answered += 1
             waiter.deliver(
                 internal_pb2.SequenceResult(
                     id=waiter.reply_id,
@@ -366,6 +386,7 @@ class ModelScheduler:
                     batch_size=message.batch_size,
                 )
             )
+        metrics.SEQUENCES.labels(self.name, "ok").inc(answered)
 
     async def _execute(
         self, engine: EngineClient, message: internal_pb2.Batch, bucket: int

@@ -56,9 +56,8 @@ class BatcherService(internal_pb2_grpc.BatcherServicer):
         async def read() -> None:
             try:
                 async for message in request_iterator:
-                    if message.HasField("sequences"):
-                        self._submit(message.sequences, deliver, queued)
-                        continue
+                    for group in message.sequences:
+                        self._submit(group, deliver, queued)
                     for seq_id in message.cancel.ids:
                         entry = queued.pop(seq_id, None)
                         if entry is not None:

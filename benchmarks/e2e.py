@@ -44,7 +44,6 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-MODEL = "minilm"
 
 # Short queries: the test suite's utterances, plus slots to vary them.
 SLOTS = ["please", "now", "for me", "tomorrow", "tonight", "again", "quickly"]
@@ -109,23 +108,84 @@ def token_lengths(texts: list[str], tokenizer_file: Path) -> np.ndarray:
 
 
 def offline(checkpoint: Path, texts: list[str], batch_size: int) -> dict[str, Any]:
-    """sentence-transformers on the same texts, in process: texts per second."""
-    import torch
-    from sentence_transformers import SentenceTransformer
+    """sentence-transformers on the same texts, in process: texts per second.
 
-    model = SentenceTransformer(str(checkpoint), device="cpu")
-    model.max_seq_length = 512  # as berth serves; no text here comes near it
-    model.encode(texts[:256], batch_size=batch_size)  # warm up
+    On a GPU the model runs in fp16, as berth's GPU engine does. Where
+    sentence-transformers cannot be imported (the GPU machine has no scipy or
+    scikit-learn, which it imports), the same procedure is run with
+    transformers directly: sort by length, batch, pad to the longest, mean-
+    pool, normalize, copy to the host; the result says which ran.
+    """
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        from sentence_transformers import SentenceTransformer
+    except ImportError as exc:
+        encode = _transformers_encoder(checkpoint, device, batch_size)
+        implementation = f"transformers, as sentence-transformers does ({exc})"
+    else:
+        model = SentenceTransformer(str(checkpoint), device=device)
+        if device == "cuda":
+            model.half()
+        model.max_seq_length = 512  # as berth serves; no text here comes near it
+
+        def encode(batch: list[str]) -> None:
+            model.encode(batch, batch_size=batch_size, convert_to_numpy=True)
+
+        implementation = "sentence-transformers"
+    if device == "cpu":
+        encode(texts[:256])  # warm up
+    else:  # every batch shape once
+        encode(texts[: batch_size * 16])
+        torch.cuda.synchronize()
     start = time.perf_counter()
-    model.encode(texts, batch_size=batch_size, convert_to_numpy=True)
+    encode(texts)
     seconds = time.perf_counter() - start
     return {
+        "implementation": implementation,
+        "device": device,
+        "dtype": "float16" if device == "cuda" else "float32",
         "texts": len(texts),
         "seconds": round(seconds, 3),
         "throughput": round(len(texts) / seconds, 1),
         "batch_size": batch_size,
         "torch_threads": torch.get_num_threads(),
     }
+
+
+def _transformers_encoder(checkpoint: Path, device: str, batch_size: int) -> Any:
+    import torch
+    import transformers
+
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(checkpoint))
+    model = transformers.AutoModel.from_pretrained(
+        str(checkpoint), dtype=dtype, attn_implementation="sdpa"
+    )
+    model = model.to(device).eval()
+
+    @torch.inference_mode()
+    def encode(texts: list[str]) -> np.ndarray:
+        order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
+        out: list[np.ndarray] = []
+        for start in range(0, len(order), batch_size):
+            batch = [texts[i] for i in order[start : start + batch_size]]
+            inputs = tokenizer(
+                batch,
+                padding=True,
+                truncation=True,
+                max_length=512,
+                return_tensors="pt",
+            ).to(device)
+            hidden = model(**inputs).last_hidden_state
+            mask = inputs["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
+            pooled = torch.nn.functional.normalize(pooled.float(), dim=-1)
+            out.append(pooled.cpu().numpy())
+        return np.concatenate(out)
+
+    return encode
 
 
 # ---- the load generator -----------------------------------------------------
@@ -136,6 +196,7 @@ class Plan:
     """One client process's share of a step: what to send and when."""
 
     address: str
+    model: str
     texts: list[str]
     offsets: list[float]  # seconds after the common start
     deadline_s: float
@@ -171,7 +232,7 @@ async def _client(
             code = "OK"
             try:
                 await stub.Embed(
-                    berth_pb2.EmbedRequest(model=MODEL, texts=[text]),
+                    berth_pb2.EmbedRequest(model=plan.model, texts=[text]),
                     timeout=plan.deadline_s,
                 )
             except grpc.aio.AioRpcError as exc:
@@ -236,6 +297,7 @@ class Step:
 def run_step(
     name: str,
     address: str,
+    model: str,
     texts: list[str],
     rate: float,
     clients: int,
@@ -261,7 +323,13 @@ def run_step(
     procs = [
         ctx.Process(
             target=client_main,
-            args=(Plan(address, s[0], s[1], deadline_s), ready, go, start_at, results),
+            args=(
+                Plan(address, model, s[0], s[1], deadline_s),
+                ready,
+                go,
+                start_at,
+                results,
+            ),
         )
         for s in shares
     ]
@@ -321,13 +389,16 @@ class Profile:
 
     name: str
     about: str
-    engines: int = 1
+    engines: int = 0  # 0: `berth serve`'s default (1 per GPU, else 1)
+    gateways: int = 0  # 0: `berth serve`'s default
     buckets: list[int] | None = None  # None: the repository's own
     env: dict[str, str] = field(default_factory=dict)
 
 
 PROFILES = {
-    "stock": Profile("stock", "`berth serve` as shipped: 1 engine on every core"),
+    "stock": Profile(
+        "stock", "`berth serve` as shipped (CPU: 1 engine on every core, 1 gateway)"
+    ),
     # Measured on 2 cores: two single-threaded engines beat one 2-thread
     # engine (small CPU batches use a second thread poorly), finer short
     # buckets halve the padding of the mostly-short mix, and a looser batch
@@ -348,6 +419,7 @@ def parse_args() -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--address", help="a running gateway (default: start one)")
+    parser.add_argument("--model", default="minilm", help="embedding model to call")
     parser.add_argument(
         "--model-repository",
         default=os.environ.get(
@@ -368,10 +440,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--duration", type=float, default=10.0, help="s per step")
     parser.add_argument("--max-requests", type=int, default=2000, help="per step")
     parser.add_argument(
-        "--clients", type=int, default=0, help="client processes (0: 1 per 600 rps)"
+        "--clients",
+        type=int,
+        default=0,
+        help="client processes (0: 1 per 2500 rps, at most 1 per 4 cores)",
     )
     parser.add_argument("--deadline-s", type=float, default=10.0, help="per call")
     parser.add_argument("--batch-size", type=int, default=32, help="offline batch")
+    parser.add_argument(
+        "--offline-texts",
+        type=int,
+        default=20000,
+        help="texts encoded offline (the first of the served ones)",
+    )
     parser.add_argument(
         "--offline-throughput",
         type=float,
@@ -381,6 +462,7 @@ def parse_args() -> argparse.Namespace:
         "a custom profile (measured as 'custom' when any of these is given)"
     )
     custom.add_argument("--engines", type=int, help="engine processes")
+    custom.add_argument("--gateways", type=int, help="gateway processes")
     custom.add_argument("--buckets", help="length buckets, e.g. 16,32,48,64,512")
     custom.add_argument(
         "--env",
@@ -402,12 +484,13 @@ def profiles_of(args: argparse.Namespace) -> list[Profile]:
         if name not in PROFILES:
             raise SystemExit(f"unknown profile {name!r}; use {', '.join(PROFILES)}")
         chosen.append(PROFILES[name])
-    if args.engines or args.buckets or args.env:
+    if args.engines or args.gateways or args.buckets or args.env:
         chosen.append(
             Profile(
                 "custom",
-                "from --engines/--buckets/--env",
-                engines=args.engines or 1,
+                "from --engines/--gateways/--buckets/--env",
+                engines=args.engines or 0,
+                gateways=args.gateways or 0,
                 buckets=[int(b) for b in args.buckets.split(",")]
                 if args.buckets
                 else None,
@@ -490,7 +573,10 @@ def serve_and_measure(
         if profile.buckets:
             into = Path(tempfile.mkdtemp(prefix="berth-bench-"))
             served = rebucketed(repository, profile.buckets, into)
-        stack = Stack(served, engines=profile.engines, env=profile.env)
+        gateways = ["--gateways", str(profile.gateways)] if profile.gateways else []
+        stack = Stack(
+            served, engines=profile.engines or 1, env=profile.env, extra_args=gateways
+        )
         stack.wait_serving()
         address = stack.gateway
     pid = stack.proc.pid if stack is not None else None
@@ -499,10 +585,13 @@ def serve_and_measure(
         for i, rate in enumerate(rates):
             n = min(args.max_requests, max(1, round(rate * args.duration)))
             texts = pool[i * args.max_requests : i * args.max_requests + n]
-            clients = args.clients or max(1, math.ceil(rate / 600))
+            clients = args.clients or max(
+                1, min(math.ceil(rate / 2500), (os.cpu_count() or 1) // 4)
+            )
             step = run_step(
                 f"served {i + 1}",
                 address,
+                args.model,
                 texts,
                 rate,
                 clients,
@@ -516,6 +605,7 @@ def serve_and_measure(
         hit = run_step(
             "cache hits",
             address,
+            args.model,
             pool[: steps[0].sent],
             rates[0],
             1,
@@ -537,11 +627,11 @@ def main() -> int:
     from services.repository import load_repository
 
     repository = Path(args.model_repository)
-    if not (repository / MODEL / "berth.json").exists():
+    if not (repository / args.model / "berth.json").exists():
         from services.default_models import build_default_repository
 
         build_default_repository(repository)
-    entry = load_repository(repository)[MODEL]
+    entry = load_repository(repository)[args.model]
     profiles = profiles_of(args)
     fractions = [float(r) for r in args.rates.split(",")]
     steps_n = len(args.rps.split(",")) if args.rps else len(fractions)
@@ -563,7 +653,9 @@ def main() -> int:
     if args.offline_throughput:
         base: dict[str, Any] = {"throughput": args.offline_throughput, "given": True}
     else:
-        base = offline(entry.checkpoint_dir, pool, args.batch_size)
+        base = offline(
+            entry.checkpoint_dir, pool[: args.offline_texts], args.batch_size
+        )
     print(f"offline sentence-transformers: {base}", flush=True)
     if args.rps:
         rates = [float(r) for r in args.rps.split(",")]
@@ -609,7 +701,7 @@ def main() -> int:
             "date": datetime.now(UTC).isoformat(timespec="seconds"),
             "machine": info,
             "command": " ".join(["python", *sys.argv]),
-            "model": MODEL,
+            "model": args.model,
             "api": "berth.v1.Berth/Embed, one text per call",
             "text_mix": mix,
             "offline": base,

@@ -4,16 +4,22 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from services.metrics import LATENCY_BUCKETS
+from services.metrics import LATENCY_BUCKETS, Memo
 
-BATCHES = Counter(
-    "berth_engine_batches_total", "Batches computed, by outcome", ["model", "outcome"]
+BATCHES = Memo(
+    Counter(
+        "berth_engine_batches_total",
+        "Batches computed, by outcome",
+        ["model", "outcome"],
+    )
 )
-STAGE_SECONDS = Histogram(
-    "berth_engine_stage_seconds",
-    "Time per batch in each stage (copy_in, compute, copy_out)",
-    ["model", "stage"],
-    buckets=LATENCY_BUCKETS,
+STAGE_SECONDS = Memo(
+    Histogram(
+        "berth_engine_stage_seconds",
+        "Time per batch in each stage (copy_in, compute, copy_out)",
+        ["model", "stage"],
+        buckets=LATENCY_BUCKETS,
+    )
 )
 GPU_UTILIZATION = Gauge(
     "berth_engine_gpu_utilization_ratio", "GPU SM utilization (NVML), 0-1"

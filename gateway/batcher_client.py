@@ -43,22 +43,34 @@ class BatcherClient(
         keys = [next(self._ids) for _ in ids]
         offsets = np.zeros(len(ids) + 1, dtype="<i4")
         np.cumsum([len(x) for x in ids], out=offsets[1:])
+        tokens = ids[0] if len(ids) == 1 else np.concatenate(ids)
         message = internal_pb2.GatewayMessage(
-            sequences=internal_pb2.Sequences(
-                model=model,
-                ids=keys,
-                token_ids=np.concatenate(ids).astype("<i4", copy=False).tobytes(),
-                offsets=offsets.tobytes(),
-                timeout_ms=timeout_ms,
-                trace_context=trace_context or {},
-            )
+            sequences=[
+                internal_pb2.Sequences(
+                    model=model,
+                    ids=keys,
+                    token_ids=tokens.astype("<i4", copy=False).tobytes(),
+                    offsets=offsets.tobytes(),
+                    timeout_ms=timeout_ms,
+                    trace_context=trace_context,
+                )
+            ]
         )
         futures = self.send_many(keys, message)
         try:
-            results = await asyncio.gather(*futures)
+            if len(futures) == 1:  # most calls: one future, no gather
+                results = [await futures[0]]
+            else:
+                results = await asyncio.gather(*futures)
         except BaseException:
             # The caller went away or one sequence failed: free the rest.
-            left = [k for k, f in zip(keys, futures, strict=True) if not f.done()]
+            # (A caller's cancel reaches the futures first: cancelled ones
+            # never got their answer either.)
+            left = [
+                k
+                for k, f in zip(keys, futures, strict=True)
+                if not f.done() or f.cancelled()
+            ]
             for future in futures:
                 future.cancel()
             if left:
@@ -86,6 +98,16 @@ class BatcherClient(
         self, message: internal_pb2.BatcherMessage
     ) -> Iterable[tuple[int, internal_pb2.SequenceResult]]:
         return ((r.id, r) for r in message.results)
+
+    def _merge(
+        self, messages: list[internal_pb2.GatewayMessage]
+    ) -> list[internal_pb2.GatewayMessage]:
+        """Every request queued since the last write goes as one message."""
+        merged = internal_pb2.GatewayMessage()
+        for message in messages:
+            merged.sequences.extend(message.sequences)
+            merged.cancel.ids.extend(message.cancel.ids)
+        return [merged]
 
     def _connection_changed(self, connected: bool, reason: str) -> None:
         if connected:

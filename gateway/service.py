@@ -31,11 +31,15 @@ from services.errors import (
 from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
 from services.repository import ModelEntry
 from services.streams import answer_concurrently
-from services.telemetry import SpanKind, extract, inject, tracer
+from services.telemetry import inject, server_span, span_if_recording, tracer
 
 log = logging.getLogger("berth.gateway")
 TRACER = tracer("gateway")
 DEGRADED_METADATA = (("x-berth-degraded", "true"),)
+# Calls with at most this many characters are tokenized on the event loop
+# (tens of microseconds); longer ones on the tokenizer threads, so one
+# large call cannot stall every other request.
+INLINE_TOKENIZE_CHARS = 2048
 
 Response = TypeVar("Response", berth_pb2.EmbedResponse, berth_pb2.ClassifyResponse)
 
@@ -147,7 +151,7 @@ class Gateway:
         t0 = time.perf_counter()
         name, truncate = model.entry.name, options.truncate
         model.encoder.check_count(texts)
-        with TRACER.start_as_current_span("gateway.cache"):
+        with span_if_recording(TRACER, "gateway.cache"):
             found = self.cache.lookup(name, truncate, texts)
         if self.cache.enabled:
             hits = sum(f is not None for f in found)
@@ -161,18 +165,13 @@ class Gateway:
         t1 = t0
         degraded = False
         if misses:
-            loop = asyncio.get_running_loop()
             try:
-                with TRACER.start_as_current_span("gateway.tokenize"):
-                    ids = await loop.run_in_executor(
-                        self._tokenize_pool, model.encoder.encode, misses, truncate
-                    )
+                with span_if_recording(TRACER, "gateway.tokenize"):
+                    ids = await self._tokenize(model, misses, truncate)
             except InvalidInput:
                 if len(misses) < len(texts):
                     # Check the whole call so the error names the caller's index.
-                    await loop.run_in_executor(
-                        self._tokenize_pool, model.encoder.encode, texts, truncate
-                    )
+                    await self._tokenize(model, texts, truncate)
                 raise
             t1 = time.perf_counter()
             rows, degraded = await self._infer(model, ids, timeout_s, timings)
@@ -188,6 +187,17 @@ class Gateway:
         timings.tokenize_us = int((t1 - t0) * 1e6)
         timings.total_us = int((time.perf_counter() - t0) * 1e6)
         return Answer(outputs, [n for _, n in answers], degraded)
+
+    async def _tokenize(
+        self, model: Model, texts: list[str], truncate: bool
+    ) -> list[np.ndarray]:
+        """Token ids per text. A short call is tokenized right here: the
+        tokenizer takes microseconds for it, less than a hop to a thread."""
+        if sum(map(len, texts)) <= INLINE_TOKENIZE_CHARS:
+            return model.encoder.encode(texts, truncate)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenize_pool, model.encoder.encode, texts, truncate
+        )
 
     async def _infer(
         self,
@@ -210,7 +220,7 @@ class Gateway:
         else:
             timeout_ms = max(1, int(timeout_s * 1000)) if timeout_s is not None else 0
             try:
-                with TRACER.start_as_current_span("gateway.infer"):
+                with span_if_recording(TRACER, "gateway.infer"):
                     results = await self.batcher.run(name, ids, timeout_ms, inject())
             except (Unavailable, EngineFailure) as exc:
                 if model.fallback is None:
@@ -226,8 +236,8 @@ class Gateway:
                 f"model {name!r} cannot answer now ({reason.replace('_', ' ')}) and "
                 "has no CPU fallback (build it with `berth build-models`)"
             )
-        with TRACER.start_as_current_span(
-            "gateway.fallback", attributes={"berth.reason": reason}
+        with span_if_recording(
+            TRACER, "gateway.fallback", attributes={"berth.reason": reason}
         ):
             outputs = model.fallback.run(ids)
         metrics.FALLBACKS.labels(name, reason).inc(len(ids))
@@ -365,12 +375,11 @@ class BerthService(berth_pb2_grpc.BerthServicer):
         context: grpc.aio.ServicerContext,
     ) -> Response:
         """One traced, counted call; degraded answers say so in the trailer."""
-        parent = extract(context.invocation_metadata() or ())
-        with TRACER.start_as_current_span(
+        with server_span(
+            TRACER,
             f"berth.v1.Berth/{method}",
-            context=parent,
-            kind=SpanKind.SERVER,
-            attributes={"berth.model": model},
+            context.invocation_metadata() or (),
+            {"berth.model": model},
         ):
             try:
                 response = await self.gateway.counted(api, model, work)

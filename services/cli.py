@@ -38,13 +38,24 @@ def _gpu_count() -> int:
 # ---- berth serve ------------------------------------------------------------
 
 
+def default_gateways(gpus: int) -> int:
+    """Gateway processes: 1 on a CPU-only machine, where the engines need
+    the cores; with GPUs, one per 4 cores (at most 8), since a gateway
+    process answers a few thousand calls per second on one core."""
+    if not gpus:
+        return 1
+    return max(1, min(8, (os.cpu_count() or 1) // 4))
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from services.logs import setup_logging
     from services.supervisor import Child, Supervisor, python_module
 
     log = setup_logging("serve")
     repo = Path(args.model_repository)
-    if args.build_models and not (repo / "minilm" / "fallback.safetensors").exists():
+    if args.build_models and not any(repo.glob("*/berth.json")):
+        # Only an empty repository gets the defaults: a user's own entries,
+        # whatever their names, are never rewritten.
         build_models(repo)
     gpus = _gpu_count()
     engines = args.engines or max(1, gpus)
@@ -108,30 +119,36 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     )
     gateway = f"{args.host}:{args.port}"
-    children.append(
-        Child(
-            "gateway",
-            python_module(
-                "gateway",
-                "--host",
-                args.host,
-                "--port",
-                str(args.port),
-                "--batcher",
-                batcher,
-                "--metrics-port",
-                metrics_port(0),
-                *common,
-            ),
+    gateways = args.gateways or default_gateways(gpus)
+    for i in range(gateways):
+        # Every gateway listens on the same port (SO_REUSEPORT: the kernel
+        # spreads connections over them); each has its own batcher stream.
+        # /metrics: the first on the base port, the others after the engines.
+        children.append(
+            Child(
+                "gateway" if gateways == 1 else f"gateway-{i}",
+                python_module(
+                    "gateway",
+                    "--host",
+                    args.host,
+                    "--port",
+                    str(args.port),
+                    "--batcher",
+                    batcher,
+                    "--metrics-port",
+                    metrics_port(0 if i == 0 else 1 + engines + i),
+                    *common,
+                ),
+            )
         )
-    )
     supervisor = Supervisor(children)
     supervisor.start()
     log.info(
-        "starting %d engine(s) on %s, batcher on %s, gateway on %s",
+        "starting %d engine(s) on %s, batcher on %s, %d gateway process(es) on %s",
         engines,
         "GPU" if gpus else args.device,
         batcher,
+        gateways,
         gateway,
     )
     announced = False
@@ -279,6 +296,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_flag(serve, "host", "127.0.0.1", "address every service listens on")
     add_flag(serve, "port", DEFAULT_GATEWAY_PORT, "gateway port")
+    add_flag(
+        serve,
+        "gateways",
+        0,
+        "gateway processes sharing --port (0: 1 without a GPU, else 1 per 4 "
+        "cores, at most 8)",
+    )
     add_flag(serve, "batcher-port", DEFAULT_BATCHER_PORT, "batcher port")
     add_flag(serve, "engine-port", DEFAULT_ENGINE_PORT, "first engine port")
     add_flag(serve, "backend", "torch", "engine backend")
@@ -288,7 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
         serve,
         "metrics-port",
         9464,
-        "gateway's /metrics port; batcher +1, engines +2... (0: off)",
+        "gateway's /metrics port; batcher +1, engines +2..., further "
+        "gateways after the engines (0: off)",
     )
     serve.add_argument(
         "--chaos", action="store_true", help="engines take SIGUSR1 to fail batches"

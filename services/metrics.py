@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+from typing import Any, Generic, TypeVar
 
 from prometheus_client import start_http_server
+from prometheus_client.metrics import MetricWrapperBase
 
 log = logging.getLogger("berth.metrics")
 
@@ -38,3 +40,28 @@ def serve_metrics(service: str, host: str, port: int) -> None:
         return
     start_http_server(port, addr=host)
     log.info("%s: Prometheus metrics on http://%s:%d/metrics", service, host, port)
+
+
+Metric = TypeVar("Metric", bound=MetricWrapperBase)
+
+
+class Memo(Generic[Metric]):
+    """A labelled metric whose children are looked up once per label set.
+
+    ``Counter.labels`` validates and locks on every call (microseconds); on the
+    per-request and per-sequence paths the children are kept here instead.
+    Everything else is the wrapped metric's own.
+    """
+
+    def __init__(self, metric: Metric) -> None:
+        self.metric = metric
+        self._children: dict[tuple[object, ...], Metric] = {}
+
+    def labels(self, *values: object) -> Metric:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self.metric.labels(*values)
+        return child
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.metric, name)

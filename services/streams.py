@@ -56,6 +56,13 @@ class StreamClient(Generic[Out, In, Item]):
     def _connection_changed(self, connected: bool, reason: str) -> None:
         """Called after the stream comes up or goes down."""
 
+    def _merge(self, messages: list[Out]) -> list[Out]:
+        """Messages queued together, as they go on the wire (default: as is).
+
+        A subclass may fold them into fewer: each message costs the peer a
+        read and a parse whatever it carries."""
+        return messages
+
     # ---- public ------------------------------------------------------------
 
     @property
@@ -122,7 +129,7 @@ class StreamClient(Generic[Out, In, Item]):
     async def _serve_stream(self) -> None:
         await self._handshake()
         outbox: asyncio.Queue[Out] = asyncio.Queue()
-        call = self._open(_drain(outbox))
+        call = self._open(_drain(outbox, self._merge))
         self._outbox = outbox
         self._connection_changed(True, "")
         async for message in call:
@@ -140,9 +147,20 @@ class StreamClient(Generic[Out, In, Item]):
                 )
 
 
-async def _drain(queue: asyncio.Queue[Out]) -> AsyncIterator[Out]:
+# At most this many queued messages are merged into one write.
+MERGE_LIMIT = 256
+
+
+async def _drain(
+    queue: asyncio.Queue[Out], merge: Callable[[list[Out]], list[Out]]
+) -> AsyncIterator[Out]:
+    """Everything queued since the last write, merged, as the next writes."""
     while True:
-        yield await queue.get()
+        ready = [await queue.get()]
+        while not queue.empty() and len(ready) < MERGE_LIMIT:
+            ready.append(queue.get_nowait())
+        for message in merge(ready) if len(ready) > 1 else ready:
+            yield message
 
 
 Request = TypeVar("Request")

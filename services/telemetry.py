@@ -8,9 +8,12 @@ recorded, but incoming trace context is still passed on to the next hop.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager
+from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -30,6 +33,9 @@ __all__ = [
     "extract",
     "inject",
     "record_error",
+    "recording",
+    "server_span",
+    "span_if_recording",
     "setup_tracing",
     "shutdown_tracing",
     "tracer",
@@ -65,6 +71,65 @@ def setup_tracing(service: str) -> Tracer:
 
 def tracer(service: str) -> Tracer:
     return trace.get_tracer(f"berth.{service}")
+
+
+def recording() -> bool:
+    """Whether this process exports spans (setup_tracing found an endpoint).
+
+    Per-request and per-sequence spans are made only then: a span that is
+    never exported still costs microseconds on the request path."""
+    return _provider is not None
+
+
+_NOT_RECORDING = contextlib.nullcontext()
+
+
+def span_if_recording(
+    tracer: Tracer, name: str, **kwargs: Any
+) -> AbstractContextManager[Any]:
+    """``tracer.start_as_current_span(name, ...)``, or nothing when not
+    recording (the current context, which inject() passes on, is unchanged)."""
+    if _provider is None:
+        return _NOT_RECORDING
+    return tracer.start_as_current_span(name, **kwargs)
+
+
+TRACE_HEADERS = ("traceparent", "tracestate")
+
+
+def server_span(
+    tracer: Tracer,
+    name: str,
+    metadata: Iterable[tuple[str, str | bytes]],
+    attributes: Mapping[str, str],
+) -> AbstractContextManager[Any]:
+    """A server span under the caller's trace context. When not recording,
+    the caller's context alone becomes current, so the next hop still joins
+    the caller's trace; a call without one costs nothing."""
+    carrier = {
+        k: v.decode() if isinstance(v, bytes) else v
+        for k, v in metadata
+        if k in TRACE_HEADERS
+    }
+    if _provider is None:
+        if not carrier:
+            return _NOT_RECORDING
+        return _attached(_PROPAGATOR.extract(carrier))
+    return tracer.start_as_current_span(
+        name,
+        context=_PROPAGATOR.extract(carrier),
+        kind=SpanKind.SERVER,
+        attributes=attributes,
+    )
+
+
+@contextlib.contextmanager
+def _attached(ctx: Context) -> Iterator[None]:
+    token = otel_context.attach(ctx)
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
 
 
 def shutdown_tracing() -> None:
