@@ -56,7 +56,7 @@ async def main(args: argparse.Namespace) -> None:
     router = create_model_router(models, args.backend, args.device)
     chosen = set(router.chosen.values())
     # One backend for every model (the usual case): use it directly, so its
-    # fast paths (the CUDA backend's zero-copy run_bytes) stay visible.
+    # fast paths (the CUDA backend's pipelined submit/collect) stay visible.
     backend: Backend = router.backends[chosen.pop()] if len(chosen) == 1 else router
     service = EngineService(backend, models)
     internal_pb2_grpc.add_EngineServicer_to_server(service, server.server)

@@ -335,6 +335,11 @@ class CudaBackend(TorchBackend):
             )
         return self.runner(model).submit(ids, lens, batch, length)
 
+    def collect(self, ticket: Ticket) -> tuple[np.ndarray, Times]:
+        """Wait for a submitted batch: its output (a view of its pinned slot,
+        valid until the slot is reused) and copy-in/compute/copy-out times."""
+        return collect(ticket)
+
     def runner(self, model: str) -> ModelRunner:
         """The GPU state of one loaded model (graphs, slots)."""
         self.model(model)  # raises BackendError naming the loaded models

@@ -1,8 +1,9 @@
 """The engine's gRPC face: one long-lived stream per batcher, batches in order.
 
-Batches are decoded as soon as they arrive (so the next one is ready while
-the current one computes) and run one at a time on a single compute thread
-that owns the device.
+Batches are decoded as soon as they arrive and go to a single compute thread
+that owns the device. On a backend that can queue work (the CUDA one:
+``submit`` and ``collect``), batch n+1 is submitted before batch n is waited
+for, so its input lands while n computes and the GPU never waits on Python.
 """
 
 from __future__ import annotations
@@ -12,19 +13,39 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import numpy as np
+from opentelemetry import trace
+from opentelemetry.trace import INVALID_SPAN
 
 from engine import metrics
 from engine.backend import Backend
 from engine.gpu_stats import open_gpu_stats
 from services.proto.berth.v1 import internal_pb2, internal_pb2_grpc
 from services.repository import ModelEntry
-from services.telemetry import extract, record_error, tracer
+from services.telemetry import (
+    Span,
+    extract,
+    record_error,
+    recording,
+    tracer,
+)
 
 log = logging.getLogger("berth.engine")
 TRACER = tracer("engine")
+
+
+@dataclass
+class Started:
+    """A batch on its way through the device."""
+
+    batch: internal_pb2.Batch
+    span: Span
+    ticket: Any = None  # the backend's handle while the device works on it
+    result: internal_pb2.BatchResult | None = None  # set once answered
 
 
 class EngineService(internal_pb2_grpc.EngineServicer):
@@ -74,76 +95,147 @@ class EngineService(internal_pb2_grpc.EngineServicer):
             finally:
                 pending.put_nowait(None)
 
-        reader = asyncio.create_task(read())
-        loop = asyncio.get_running_loop()
-        try:
-            while (batch := await pending.get()) is not None:
+        async def next_batch(wait: bool) -> internal_pb2.Batch | None:
+            """The next batch not cancelled; None at the end (or, without
+            wait, when none is queued now)."""
+            while wait or not pending.empty():
+                batch = await pending.get()
+                if batch is None:
+                    pending.put_nowait(None)  # the end stays visible
+                    return None
                 if batch.id in cancelled:  # dropped before compute
                     cancelled.discard(batch.id)
                     continue
-                yield await loop.run_in_executor(self._compute, self.run_batch, batch)
+                return batch
+            return None
+
+        reader = asyncio.create_task(read())
+        loop = asyncio.get_running_loop()
+        # At most one batch is on the GPU uncollected: the next one is
+        # submitted before the previous one is waited for, so the device
+        # never idles between batches (the pinned slots double-buffer).
+        in_flight: Started | None = None
+        try:
+            while True:
+                if in_flight is None:
+                    batch = await next_batch(wait=True)
+                    if batch is None:
+                        break
+                    in_flight = await loop.run_in_executor(
+                        self._compute, self.start, batch
+                    )
+                    continue
+                batch = await next_batch(wait=False)
+                result, in_flight = await loop.run_in_executor(
+                    self._compute, self._advance, in_flight, batch
+                )
+                yield result
         finally:
             reader.cancel()
 
-    def run_batch(self, batch: internal_pb2.Batch) -> internal_pb2.BatchResult:
-        """Compute one batch (on the compute thread); errors become a result."""
-        attributes: dict[str, str | int] = {
-            "berth.model": batch.model,
-            "berth.batch_size": batch.batch_size,
-            "berth.bucket": batch.length,
-        }
-        with TRACER.start_as_current_span(
-            "engine.batch", context=extract(batch.trace_context), attributes=attributes
-        ) as span:
-            try:
-                result = self._compute_batch(batch)
-            except Exception as exc:  # one batch failed; the engine lives on
-                self.failures += 1
-                record_error(span, exc)
-                metrics.BATCHES.labels(batch.model, "failed").inc()
-                log.exception("batch %d of %s failed", batch.id, batch.model)
-                return internal_pb2.BatchResult(
-                    id=batch.id,
-                    code=grpc.StatusCode.INTERNAL.value[0],
-                    message=f"engine failed on a batch of {batch.model}: {exc}",
-                )
-        self.batches += 1
-        metrics.BATCHES.labels(batch.model, "ok").inc()
-        return result
+    def _advance(
+        self, done: Started, batch: internal_pb2.Batch | None
+    ) -> tuple[internal_pb2.BatchResult, Started | None]:
+        """Submit the next batch (if any), then collect the one before it."""
+        started = self.start(batch) if batch is not None else None
+        return self.finish(done), started
 
-    def _compute_batch(self, batch: internal_pb2.Batch) -> internal_pb2.BatchResult:
-        if self.failing:
-            raise RuntimeError("fault injected (SIGUSR1 toggles it; --chaos)")
-        if batch.model not in self.models:
-            raise KeyError(f"engine does not serve model {batch.model!r}")
-        run_bytes = getattr(self.backend, "run_bytes", None)
-        if run_bytes is not None:
-            # The backend writes the bytes straight into its pinned buffers and
-            # times copy in, compute and copy out on the device.
-            with TRACER.start_as_current_span("engine.compute"):
-                output, stages = run_bytes(
+    def run_batch(self, batch: internal_pb2.Batch) -> internal_pb2.BatchResult:
+        """Compute one batch start to finish (on the compute thread)."""
+        return self.finish(self.start(batch))
+
+    def start(self, batch: internal_pb2.Batch) -> Started:
+        """Check a batch and queue it on the device (compute thread)."""
+        span: Span = INVALID_SPAN
+        if recording():
+            span = TRACER.start_span(
+                "engine.batch",
+                context=extract(batch.trace_context),
+                attributes={
+                    "berth.model": batch.model,
+                    "berth.batch_size": batch.batch_size,
+                    "berth.bucket": batch.length,
+                },
+            )
+        started = Started(batch, span)
+        try:
+            if self.failing:
+                raise RuntimeError("fault injected (SIGUSR1 toggles it; --chaos)")
+            if batch.model not in self.models:
+                raise KeyError(f"engine does not serve model {batch.model!r}")
+            submit = getattr(self.backend, "submit", None)
+            if submit is not None:
+                # The backend writes the bytes straight into a pinned slot and
+                # queues copy in, compute and copy out on its stream.
+                started.ticket = submit(
                     batch.model,
                     batch.token_ids,
                     batch.lengths,
                     batch.batch_size,
                     batch.length,
                 )
-            with TRACER.start_as_current_span("engine.copy_out"):
+            else:
+                started.result = self._compute_eagerly(batch, span)
+        except Exception as exc:  # one batch failed; the engine lives on
+            started.result = self._failed(batch, span, exc)
+        return started
+
+    def finish(self, started: Started) -> internal_pb2.BatchResult:
+        """Wait for a started batch and answer it (compute thread)."""
+        batch, span = started.batch, started.span
+        try:
+            if started.result is None:
+                collect = self.backend.collect  # type: ignore[attr-defined]
+                output, stages = collect(started.ticket)
                 data = np.ascontiguousarray(output, dtype="<f4").tobytes()
-        else:
-            t0 = time.perf_counter()
-            with TRACER.start_as_current_span("engine.copy_in"):
-                ids = np.frombuffer(batch.token_ids, dtype="<i4").reshape(
-                    batch.batch_size, batch.length
-                )
-                lengths = np.frombuffer(batch.lengths, dtype="<i4")
-            t1 = time.perf_counter()
-            with TRACER.start_as_current_span("engine.compute"):
-                output = self.backend.run(batch.model, ids, lengths)
-            t2 = time.perf_counter()
-            with TRACER.start_as_current_span("engine.copy_out"):
-                data = np.ascontiguousarray(output, dtype="<f4").tobytes()
-            stages = (t1 - t0, t2 - t1, time.perf_counter() - t2)
+                started.result = self._answer(batch, data, output.shape[1], stages)
+                _stage_spans(span, stages)
+        except Exception as exc:
+            started.result = self._failed(batch, span, exc)
+        finally:
+            span.end()
+        if started.result.code == 0:
+            self.batches += 1
+            metrics.BATCHES.labels(batch.model, "ok").inc()
+        return started.result
+
+    def _failed(
+        self, batch: internal_pb2.Batch, span: Span, exc: Exception
+    ) -> internal_pb2.BatchResult:
+        self.failures += 1
+        record_error(span, exc)
+        metrics.BATCHES.labels(batch.model, "failed").inc()
+        log.exception("batch %d of %s failed", batch.id, batch.model, exc_info=exc)
+        return internal_pb2.BatchResult(
+            id=batch.id,
+            code=grpc.StatusCode.INTERNAL.value[0],
+            message=f"engine failed on a batch of {batch.model}: {exc}",
+        )
+
+    def _compute_eagerly(
+        self, batch: internal_pb2.Batch, span: Span
+    ) -> internal_pb2.BatchResult:
+        """A backend without submit (CPU, onnxruntime): compute right away."""
+        t0 = time.perf_counter()
+        ids = np.frombuffer(batch.token_ids, dtype="<i4").reshape(
+            batch.batch_size, batch.length
+        )
+        lengths = np.frombuffer(batch.lengths, dtype="<i4")
+        t1 = time.perf_counter()
+        output = self.backend.run(batch.model, ids, lengths)
+        t2 = time.perf_counter()
+        data = np.ascontiguousarray(output, dtype="<f4").tobytes()
+        stages = (t1 - t0, t2 - t1, time.perf_counter() - t2)
+        _stage_spans(span, stages)
+        return self._answer(batch, data, output.shape[1], stages)
+
+    def _answer(
+        self,
+        batch: internal_pb2.Batch,
+        data: bytes,
+        width: int,
+        stages: tuple[float, float, float],
+    ) -> internal_pb2.BatchResult:
         copy_in, compute, copy_out = stages
         for stage, seconds in (
             ("copy_in", copy_in),
@@ -159,7 +251,7 @@ class EngineService(internal_pb2_grpc.EngineServicer):
         return internal_pb2.BatchResult(
             id=batch.id,
             output=data,
-            width=output.shape[1],
+            width=width,
             copy_in_us=int(copy_in * 1e6),
             compute_us=int(compute * 1e6),
             copy_out_us=int(copy_out * 1e6),
@@ -173,3 +265,21 @@ class EngineService(internal_pb2_grpc.EngineServicer):
         log.warning(
             "fault injection: every batch %s", "FAILS" if self.failing else "ok"
         )
+
+
+STAGES = ("engine.copy_in", "engine.compute", "engine.copy_out")
+
+
+def _stage_spans(batch_span: Span, stages: tuple[float, float, float]) -> None:
+    """Copy in, compute and copy out as child spans of the batch's, ending
+    now and as long as measured (device events on a GPU, where the three
+    overlap other batches' Python work and cannot be wrapped in a block)."""
+    if not recording():
+        return
+    parent = trace.set_span_in_context(batch_span)
+    end = time.time_ns()
+    start = end - int(sum(stages) * 1e9)
+    for name, seconds in zip(STAGES, stages, strict=True):
+        stop = start + int(seconds * 1e9)
+        TRACER.start_span(name, context=parent, start_time=start).end(end_time=stop)
+        start = stop
