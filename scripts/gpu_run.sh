@@ -10,8 +10,11 @@
 #                      smi.log: clocks, power, throttling while it ran
 #   quant_gpu.log      benchmarks/quant_gpu.py, when that file exists, last, in
 #                      the time left ($OUT is exported: it writes its JSON there)
-# STAGES picks stages (default "tests bench quant"); BENCH_ARGS goes to
-# benchmarks/engine.py (e.g. "--quick --models bert-base").
+#   e2e_*.log, e2e_gpu_<model>.json
+#                      benchmarks/e2e.py per model (E2E_MODELS, default
+#                      "bert-base minilm"; E2E_ARGS replaces its arguments)
+# STAGES picks stages (default "tests bench quant"; "e2e" runs the stack);
+# BENCH_ARGS goes to benchmarks/engine.py (e.g. "--quick --models bert-base").
 #
 # Carried, because the device machine reaches no registry:
 #   .whl/             cp312 wheels of grpcio>=1.85.1 (our stubs need it; the
@@ -35,6 +38,7 @@ PY=python3
       --upgrade --target /tmp/site .whl/*.whl
   fi
   $PY -c "import torch, triton, grpc; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'grpc', grpc.__version__)"
+  $PY -c "import scipy, sklearn; print('scipy', scipy.__version__, 'sklearn', sklearn.__version__)" || echo "no scipy/scikit-learn: the offline baseline runs transformers directly"
   $PY services/protogen.py
   $PY setup.py -q build_ext --inplace
 } > "$OUT/setup.log" 2>&1 < /dev/null
@@ -61,6 +65,25 @@ if [[ " $STAGES " == *" bench "* ]]; then
   echo "engine benchmark: exit $?"
   kill "$smi"
   grep -v "^probe\|^input" "$OUT/engine_bench.log" | tail -n 90
+fi
+
+if [[ " $STAGES " == *" e2e "* ]]; then
+  # The whole stack on this machine: `berth serve` on the GPU, open-loop
+  # single-text Embed load from client processes, offline baseline in-process.
+  $PY -m benchmarks.gpu_repository build/e2e \
+    ${BERTH_GPU_FIXTURES:+--minilm "$BERTH_GPU_FIXTURES/checkpoint"} \
+    > "$OUT/e2e_repository.log" 2>&1 || tail -n 20 "$OUT/e2e_repository.log"
+  for model in ${E2E_MODELS:-bert-base minilm}; do
+    left=$((585 - SECONDS))
+    if ((left < 60)); then echo "e2e $model: skipped, ${left}s left"; continue; fi
+    # shellcheck disable=SC2086
+    timeout "$left" $PY benchmarks/e2e.py --model "$model" \
+      --model-repository "build/e2e/$model" --out "$OUT/e2e_gpu_$model.json" \
+      ${E2E_ARGS:---profiles stock --rps 500,4000,8000,12000,16000,20000 --duration 4 --max-requests 80000 --clients 4 --batch-size 128} \
+      > "$OUT/e2e_$model.log" 2>&1
+    echo "e2e $model: exit $?"
+    grep -v "^machine\|^text mix" "$OUT/e2e_$model.log" | tail -n 16
+  done
 fi
 
 # Last, in what is left of the device tool's 600 s per command.
