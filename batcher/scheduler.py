@@ -10,7 +10,6 @@ per sequence and handed back to whoever submitted them.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import math
@@ -140,7 +139,7 @@ class ModelScheduler:
                 group, deliver, grpc.StatusCode.UNAVAILABLE, "unavailable", refusal
             )
             return []
-        keys = array("Q", (next(self._ids) for _ in group.ids))
+        keys = array("Q", itertools.islice(self._ids, len(group.ids)))
         expires = now + group.timeout_ms / 1000 if group.timeout_ms else math.inf
         try:
             self.core.push_many(
@@ -244,8 +243,13 @@ class ModelScheduler:
                 deadline = self.core.next_deadline() - now
                 timeout = 0.05 if engine is None else max(0.0, deadline)
             self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
+            # (A timer that sets the event: cheaper than wait_for's task.)
+            timer = None
+            if timeout is not None:
+                timer = asyncio.get_running_loop().call_later(timeout, self._wake.set)
+            await self._wake.wait()
+            if timer is not None:
+                timer.cancel()
 
     def _fail_if_engineless(self, now: float) -> None:
         """With no engine connected for a while, fail what is queued."""

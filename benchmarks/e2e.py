@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import itertools
 import json
 import math
 import multiprocessing as mp
@@ -203,9 +205,12 @@ class Plan:
     # Send every text once before the start, unmeasured: each gateway process
     # has its own cache, and this client's one channel reaches one of them.
     warm: bool = False
+    connections: int = 1
 
 
 Row = tuple[float, float, float, str]  # offset, latency, send lag, status
+# The first message the server gave with each error code.
+Examples = dict[str, str]
 
 
 def client_main(plan: Plan, ready: Any, go: Any, start_at: Any, results: Any) -> None:
@@ -215,16 +220,28 @@ def client_main(plan: Plan, ready: Any, go: Any, start_at: Any, results: Any) ->
 
 async def _client(
     plan: Plan, ready: Any, go: Any, start_at: Any
-) -> tuple[list[Row], float]:
+) -> tuple[list[Row], float, Examples]:
     import grpc
 
     from services.channels import CHANNEL_OPTIONS
     from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
 
     out: list[Row] = []
-    async with grpc.aio.insecure_channel(plan.address, options=CHANNEL_OPTIONS) as ch:
-        stub = berth_pb2_grpc.BerthStub(ch)
-        await ch.channel_ready()
+    examples: Examples = {}
+    # Several connections, used in turn: `berth serve --gateways N` runs N
+    # processes on one port and the kernel spreads connections, not calls.
+    options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
+    channels = [
+        grpc.aio.insecure_channel(plan.address, options=options)
+        for _ in range(plan.connections)
+    ]
+    stubs = [berth_pb2_grpc.BerthStub(ch) for ch in channels]
+    turn = itertools.cycle(stubs)
+    async with contextlib.AsyncExitStack() as stack:
+        for ch in channels:
+            await stack.enter_async_context(ch)
+            await ch.channel_ready()
+        stub = stubs[0]
         if plan.warm:
             limit = asyncio.Semaphore(64)
 
@@ -245,12 +262,13 @@ async def _client(
             sent = time.monotonic()
             code = "OK"
             try:
-                await stub.Embed(
+                await next(turn).Embed(
                     berth_pb2.EmbedRequest(model=plan.model, texts=[text]),
                     timeout=plan.deadline_s,
                 )
             except grpc.aio.AioRpcError as exc:
                 code = exc.code().name
+                examples.setdefault(code, exc.details() or "")
             out.append((due - t0, time.monotonic() - due, sent - due, code))
 
         tasks = []
@@ -262,7 +280,7 @@ async def _client(
             tasks.append(asyncio.create_task(one(text, due)))
         await asyncio.gather(*tasks)
         cpu = time.process_time() - cpu0
-    return out, cpu
+    return out, cpu, examples
 
 
 def server_cpu(supervisor_pid: int | None) -> dict[str, float]:
@@ -304,6 +322,7 @@ class Step:
     p50_from_send_ms: float = 0.0
     p99_from_send_ms: float = 0.0
     error_codes: dict[str, int] = field(default_factory=dict)
+    error_examples: dict[str, str] = field(default_factory=dict)
     # CPU seconds each role used during the step (engine, batcher, ...).
     cpu_s: dict[str, float] = field(default_factory=dict)
 
@@ -319,6 +338,7 @@ def run_step(
     seed: int,
     supervisor_pid: int | None,
     warm: bool = False,
+    connections: int = 1,
 ) -> Step:
     """Send texts as Poisson arrivals at rate, split over client processes."""
     rng = random.Random(seed)
@@ -339,7 +359,7 @@ def run_step(
         ctx.Process(
             target=client_main,
             args=(
-                Plan(address, model, s[0], s[1], deadline_s, warm),
+                Plan(address, model, s[0], s[1], deadline_s, warm, connections),
                 ready,
                 go,
                 start_at,
@@ -359,9 +379,14 @@ def run_step(
     after = server_cpu(supervisor_pid)
     for p in procs:
         p.join()
-    step = summarize(name, rate, [row for rows, _ in answers for row in rows])
+    step = summarize(name, rate, [row for rows, _, _ in answers for row in rows])
     step.cpu_s = {role: round(after[role] - before.get(role, 0.0), 2) for role in after}
-    step.cpu_s["clients"] = round(sum(cpu for _, cpu in answers), 2)
+    step.cpu_s["clients"] = round(sum(cpu for _, cpu, _ in answers), 2)
+    for _, _, examples in answers:
+        for code, details in examples.items():
+            step.error_examples.setdefault(code, details)
+    for code, details in step.error_examples.items():
+        print(f"  {name}: {code}: {details}", flush=True)
     return step
 
 
@@ -459,6 +484,12 @@ def parse_args() -> argparse.Namespace:
         type=int,
         default=0,
         help="client processes (0: 1 per 2500 rps, at most 1 per 4 cores)",
+    )
+    parser.add_argument(
+        "--connections",
+        type=int,
+        default=4,
+        help="connections per client process, used in turn (the cache step: 1)",
     )
     parser.add_argument("--deadline-s", type=float, default=10.0, help="per call")
     parser.add_argument("--batch-size", type=int, default=32, help="offline batch")
@@ -613,6 +644,7 @@ def serve_and_measure(
                 args.deadline_s,
                 i,
                 pid,
+                connections=args.connections,
             )
             steps.append(step)
             print(table([step]).splitlines()[-1], flush=True)

@@ -62,6 +62,40 @@ def outcome_of(error: BerthError) -> str:
     return "failed"
 
 
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+# EmbedResponse.embeddings is field 2, Embedding.values field 1 (packed
+# float), Embedding.tokens field 2 (varint): tags for length-delimited and
+# varint wire types.
+_EMBEDDINGS_TAG = bytes([2 << 3 | 2])
+_VALUES_TAG = bytes([1 << 3 | 2])
+_TOKENS_TAG = bytes([2 << 3 | 0])
+
+
+def embeddings_wire(vectors: np.ndarray, counts: list[int]) -> bytes:
+    """The ``embeddings`` of an EmbedResponse in protobuf wire format.
+
+    Merged into the response with one parse in C: building each Embedding
+    from a list of Python floats costs ~100 µs per 768-wide vector, this a
+    few. Packed repeated floats are little-endian float32 back to back."""
+    rows = np.ascontiguousarray(vectors, dtype="<f4")
+    values_len = _varint(rows.shape[1] * 4)
+    parts: list[bytes] = []
+    for row, count in zip(rows, counts, strict=True):
+        body = b"".join(
+            (_VALUES_TAG, values_len, row.tobytes(), _TOKENS_TAG, _varint(count))
+        )
+        parts += (_EMBEDDINGS_TAG, _varint(len(body)), body)
+    return b"".join(parts)
+
+
 class Admission:
     """A bound on requests in flight; past it, refuse at once."""
 
@@ -289,10 +323,7 @@ class Gateway:
             if normalize:
                 norms = np.linalg.norm(vectors, axis=1, keepdims=True)
                 vectors = vectors / np.maximum(norms, 1e-12)
-            response.embeddings.extend(
-                berth_pb2.Embedding(values=v.tolist(), tokens=n)
-                for v, n in zip(vectors, counts, strict=True)
-            )
+            response.MergeFromString(embeddings_wire(vectors, counts))
             return response
 
     async def classify(

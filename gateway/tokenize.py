@@ -67,7 +67,10 @@ class TextEncoder:
                     )
                 text = text[: self.max_chars]
             prepared.append(text)
-        encodings = self.tokenizer.encode_batch(prepared, add_special_tokens=True)
+        if len(prepared) == 1:  # encode_batch's thread pool costs more than it saves
+            encodings = [self.tokenizer.encode(prepared[0], add_special_tokens=True)]
+        else:
+            encodings = self.tokenizer.encode_batch(prepared, add_special_tokens=True)
         out = []
         for i, encoding in enumerate(encodings):
             ids = np.asarray(encoding.ids, dtype=np.int32)

@@ -28,6 +28,7 @@ OUT=${OUT:-$PWD/gpu_out}
 STAGES=${STAGES:-tests bench quant}
 export OUT PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export PYTHONPATH=/tmp/site  # the carried wheels, installed below
+export BERTH_TEST_LOGS=$OUT     # logs of the stacks tests and benchmarks start
 mkdir -p "$OUT"
 PY=python3
 
