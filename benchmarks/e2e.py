@@ -206,6 +206,7 @@ class Plan:
     # has its own cache, and this client's one channel reaches one of them.
     warm: bool = False
     connections: int = 1
+    api: str = "unary"  # "unary": an Embed call each; "stream": berth's Stream
 
 
 Row = tuple[float, float, float, str]  # offset, latency, send lag, status
@@ -271,16 +272,65 @@ async def _client(
                 examples.setdefault(code, exc.details() or "")
             out.append((due - t0, time.monotonic() - due, sent - due, code))
 
-        tasks = []
-        for text, offset in zip(plan.texts, plan.offsets, strict=True):
-            due = t0 + offset
-            delay = due - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(text, due)))
-        await asyncio.gather(*tasks)
+        if plan.api == "stream":
+            await _stream_load(plan, stubs, t0, out, examples)
+        else:
+            tasks = []
+            for text, offset in zip(plan.texts, plan.offsets, strict=True):
+                due = t0 + offset
+                delay = due - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(one(text, due)))
+            await asyncio.gather(*tasks)
         cpu = time.process_time() - cpu0
     return out, cpu, examples
+
+
+async def _stream_load(
+    plan: Plan, stubs: list[Any], t0: float, out: list[Row], examples: Examples
+) -> None:
+    """The same arrivals as single-text requests on berth's bidi Stream: one
+    stream per connection, each request written at its time, answers matched
+    by request_id as they come (out of order)."""
+    from services.proto.berth.v1 import berth_pb2
+
+    timeout = plan.offsets[-1] + plan.deadline_s + 30 if plan.offsets else None
+    calls = [stub.Stream(timeout=timeout) for stub in stubs]
+    sent_at: dict[int, tuple[float, float]] = {}  # request_id -> (due, sent)
+
+    async def read(call: Any) -> None:
+        async for response in call:
+            if response.WhichOneof("response") == "embed":
+                request_id, code = response.embed.request_id, "OK"
+            else:
+                request_id, code = response.error.request_id, response.error.code
+                examples.setdefault(code, response.error.message)
+            due, sent = sent_at.pop(request_id)
+            out.append((due - t0, time.monotonic() - due, sent - due, code))
+
+    readers = [asyncio.create_task(read(call)) for call in calls]
+    turn = itertools.cycle(calls)
+    for request_id, (text, offset) in enumerate(
+        zip(plan.texts, plan.offsets, strict=True), start=1
+    ):
+        due = t0 + offset
+        delay = due - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        sent_at[request_id] = (due, time.monotonic())
+        await next(turn).write(
+            berth_pb2.StreamRequest(
+                embed=berth_pb2.EmbedRequest(
+                    model=plan.model, texts=[text], request_id=request_id
+                )
+            )
+        )
+    for call in calls:
+        await call.done_writing()
+    await asyncio.gather(*readers)
+    for due, sent in sent_at.values():  # the stream ended without an answer
+        out.append((due - t0, time.monotonic() - due, sent - due, "LOST"))
 
 
 def server_cpu(supervisor_pid: int | None) -> dict[str, float]:
@@ -339,6 +389,7 @@ def run_step(
     supervisor_pid: int | None,
     warm: bool = False,
     connections: int = 1,
+    api: str = "unary",
 ) -> Step:
     """Send texts as Poisson arrivals at rate, split over client processes."""
     rng = random.Random(seed)
@@ -359,7 +410,7 @@ def run_step(
         ctx.Process(
             target=client_main,
             args=(
-                Plan(address, model, s[0], s[1], deadline_s, warm, connections),
+                Plan(address, model, s[0], s[1], deadline_s, warm, connections, api),
                 ready,
                 go,
                 start_at,
@@ -490,6 +541,13 @@ def parse_args() -> argparse.Namespace:
         type=int,
         default=4,
         help="connections per client process, used in turn (the cache step: 1)",
+    )
+    parser.add_argument(
+        "--api",
+        choices=("unary", "stream"),
+        default="unary",
+        help="single-text Embed calls, or single-text requests on one Stream per "
+        "connection (berth's API for high-rate callers)",
     )
     parser.add_argument("--deadline-s", type=float, default=10.0, help="per call")
     parser.add_argument("--batch-size", type=int, default=32, help="offline batch")
@@ -645,6 +703,7 @@ def serve_and_measure(
                 i,
                 pid,
                 connections=args.connections,
+                api=args.api,
             )
             steps.append(step)
             print(table([step]).splitlines()[-1], flush=True)
@@ -735,7 +794,8 @@ def main() -> int:
         print(f"\n== {name}: {PROFILES.get(name, Profile(name, '')).about}")
         print(table(steps))
         print(
-            f"served single-text Embed calls: {result['served_best_throughput']:.1f} "
+            f"served single-text requests ({args.api}): "
+            f"{result['served_best_throughput']:.1f} "
             "texts/s (best step with <= 1% shed+errors); served/offline = "
             f"{result['served_over_offline']:.2f}"
         )
@@ -752,7 +812,10 @@ def main() -> int:
             "machine": info,
             "command": " ".join(["python", *sys.argv]),
             "model": args.model,
-            "api": "berth.v1.Berth/Embed, one text per call",
+            "api": "berth.v1.Berth/Embed, one text per call"
+            if args.api == "unary"
+            else "berth.v1.Berth/Stream, one text per request, a stream per "
+            f"connection ({args.connections} per client process)",
             "text_mix": mix,
             "offline": base,
             "profiles": results,
