@@ -198,12 +198,14 @@ class ModelScheduler:
         return None
 
     def cancel(self, key: int) -> None:
+        """The gateway gave up on a sequence: drop it if still queued (else
+        its answer is dropped on delivery); nobody is answered."""
         if self.core.cancel(key):
             self._wake.set()
-        # Already in a batch: its answer is dropped on delivery.
         waiter = self.waiters.pop(key, None)
         if waiter is not None:
             waiter.span.end()
+            metrics.SEQUENCES.labels(self.name, "cancelled").inc()
 
     # ---- the loop ----------------------------------------------------------
 

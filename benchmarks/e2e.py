@@ -488,7 +488,9 @@ class Profile:
 
 PROFILES = {
     "stock": Profile(
-        "stock", "`berth serve` as shipped (CPU: 1 engine on every core, 1 gateway)"
+        "stock",
+        "`berth serve` as shipped (CPU: 1 engine on every core, 1 gateway; "
+        "GPU: 1 engine per GPU, 3 gateways per 8 cores)",
     ),
     # Measured on 2 cores: two single-threaded engines beat one 2-thread
     # engine (small CPU batches use a second thread poorly), finer short
@@ -677,9 +679,16 @@ def serve_and_measure(
         if profile.buckets:
             into = Path(tempfile.mkdtemp(prefix="berth-bench-"))
             served = rebucketed(repository, profile.buckets, into)
-        gateways = ["--gateways", str(profile.gateways)] if profile.gateways else []
+        import torch
+
+        from services.cli import default_gateways
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         stack = Stack(
-            served, engines=profile.engines or 1, env=profile.env, extra_args=gateways
+            served,
+            engines=profile.engines or max(1, gpus),
+            env=profile.env,
+            gateways=profile.gateways or default_gateways(gpus),
         )
         stack.wait_serving()
         address = stack.gateway

@@ -121,6 +121,11 @@ class EngineService(internal_pb2_grpc.EngineServicer):
                     batch = await next_batch(wait=True)
                     if batch is None:
                         break
+                    if pending.empty():  # nothing to overlap: one thread hop
+                        yield await loop.run_in_executor(
+                            self._compute, self.run_batch, batch
+                        )
+                        continue
                     in_flight = await loop.run_in_executor(
                         self._compute, self.start, batch
                     )

@@ -10,9 +10,10 @@
 #                      smi.log: clocks, power, throttling while it ran
 #   quant_gpu.log      benchmarks/quant_gpu.py, when that file exists, last, in
 #                      the time left ($OUT is exported: it writes its JSON there)
-#   e2e_*.log, e2e_gpu_<model>.json
-#                      benchmarks/e2e.py per model (E2E_MODELS, default
-#                      "bert-base minilm"; E2E_ARGS replaces its arguments)
+#   e2e_*.log, e2e_gpu_<model>_<api>.json
+#                      benchmarks/e2e.py per model:api in E2E_RUNS (default
+#                      "bert-base:unary bert-base:stream minilm:unary");
+#                      E2E_ARGS replaces its other arguments
 # STAGES picks stages (default "tests bench quant"; "e2e" runs the stack);
 # BENCH_ARGS goes to benchmarks/engine.py (e.g. "--quick --models bert-base").
 #
@@ -74,16 +75,17 @@ if [[ " $STAGES " == *" e2e "* ]]; then
   $PY -m benchmarks.gpu_repository build/e2e \
     ${BERTH_GPU_FIXTURES:+--minilm "$BERTH_GPU_FIXTURES/checkpoint"} \
     > "$OUT/e2e_repository.log" 2>&1 || tail -n 20 "$OUT/e2e_repository.log"
-  for model in ${E2E_MODELS:-bert-base minilm}; do
+  for run in ${E2E_RUNS:-bert-base:unary bert-base:stream minilm:unary}; do
+    model=${run%%:*} api=${run##*:}
     left=$((585 - SECONDS))
-    if ((left < 60)); then echo "e2e $model: skipped, ${left}s left"; continue; fi
+    if ((left < 60)); then echo "e2e $run: skipped, ${left}s left"; continue; fi
     # shellcheck disable=SC2086
-    timeout "$left" $PY benchmarks/e2e.py --model "$model" \
-      --model-repository "build/e2e/$model" --out "$OUT/e2e_gpu_$model.json" \
-      ${E2E_ARGS:---profiles stock --rps 500,4000,8000,12000,16000,20000 --duration 4 --max-requests 80000 --clients 4 --batch-size 128} \
-      > "$OUT/e2e_$model.log" 2>&1
-    echo "e2e $model: exit $?"
-    grep -v "^machine\|^text mix" "$OUT/e2e_$model.log" | tail -n 16
+    timeout "$left" $PY benchmarks/e2e.py --model "$model" --api "$api" \
+      --model-repository "build/e2e/$model" --out "$OUT/e2e_gpu_${model}_$api.json" \
+      ${E2E_ARGS:---profiles stock --rps 500,2000,4000,6000,8000,10000 --duration 4 --max-requests 40000 --clients 4 --connections 6 --batch-size 128} \
+      > "$OUT/e2e_${model}_$api.log" 2>&1
+    echo "e2e $run: exit $?"
+    grep -v "^machine\|^text mix\|^  served\|^served [0-9]" "$OUT/e2e_${model}_$api.log" | tail -n 14
   done
 fi
 

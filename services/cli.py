@@ -40,11 +40,13 @@ def _gpu_count() -> int:
 
 def default_gateways(gpus: int) -> int:
     """Gateway processes: 1 on a CPU-only machine, where the engines need
-    the cores; with GPUs, one per 4 cores (at most 8), since a gateway
-    process answers a few thousand calls per second on one core."""
+    the cores; with GPUs, 3 per 8 cores (at most 8). A gateway process
+    answers ~1,200 single-text calls/s per core on the H200 machine's
+    Xeon (benchmarks/results/e2e_gpu_*.json), and the rest of the cores
+    go to the batcher, the engines' threads and, on a test box, clients."""
     if not gpus:
         return 1
-    return max(1, min(8, (os.cpu_count() or 1) // 4))
+    return max(1, min(8, (os.cpu_count() or 1) * 3 // 8))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -300,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
         serve,
         "gateways",
         0,
-        "gateway processes sharing --port (0: 1 without a GPU, else 1 per 4 "
+        "gateway processes sharing --port (0: 1 without a GPU, else 3 per 8 "
         "cores, at most 8)",
     )
     add_flag(serve, "batcher-port", DEFAULT_BATCHER_PORT, "batcher port")

@@ -50,15 +50,17 @@ class Stack:
         engines: int = 1,
         env: dict[str, str] | None = None,
         extra_args: list[str] | None = None,
+        gateways: int = 1,
     ) -> None:
         gateway, batcher, *engine_ports = free_ports(2 + engines)
         # Engine ports are consecutive from --engine-port: find a free run.
         base = _free_run(engines)
-        metrics_base = _free_run(engines + 2)
+        metrics_base = _free_run(engines + 1 + gateways)
         self.gateway = f"127.0.0.1:{gateway}"
-        # /metrics: gateway, batcher, then each engine.
+        # /metrics: gateway, batcher, each engine, then the other gateways.
         self.metrics = [
-            f"http://127.0.0.1:{metrics_base + i}/metrics" for i in range(engines + 2)
+            f"http://127.0.0.1:{metrics_base + i}/metrics"
+            for i in range(engines + 1 + gateways)
         ]
         self.batcher = f"127.0.0.1:{batcher}"
         self.engines = [f"127.0.0.1:{base + i}" for i in range(engines)]
@@ -83,6 +85,8 @@ class Stack:
             str(repository),
             "--metrics-port",
             str(metrics_base),
+            "--gateways",
+            str(gateways),
             *(extra_args or []),
         ]
         self.proc = subprocess.Popen(
