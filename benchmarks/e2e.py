@@ -489,17 +489,18 @@ class Profile:
 PROFILES = {
     "stock": Profile(
         "stock",
-        "`berth serve` as shipped (CPU: 1 engine on every core, 1 gateway; "
+        "`berth serve` as shipped (CPU: 1 engine per core, 1 gateway; "
         "GPU: 1 engine per GPU, 3 gateways per 8 cores)",
     ),
-    # Measured on 2 cores: two single-threaded engines beat one 2-thread
-    # engine (small CPU batches use a second thread poorly), finer short
-    # buckets halve the padding of the mostly-short mix, and a looser batch
-    # latency target keeps batches from shrinking under CPU batch times.
+    # Where `berth serve`'s CPU defaults came from, measured on 2 cores: two
+    # single-threaded engines beat one 2-thread engine (small CPU batches use
+    # a second thread poorly), and a loose batch latency target keeps batches
+    # from shrinking under CPU batch times. This profile adds a 12-token
+    # bucket for the mostly-short mix.
     "cpu": Profile(
         "cpu",
-        "CPU-tuned: 2 engines x 1 thread, finer short buckets, "
-        "batch latency target 500 ms, max delay 50 ms",
+        "as stock on 2 cores (2 engines x 1 thread, batch latency target "
+        "500 ms, max delay 50 ms), with a 12-token bucket",
         engines=2,
         buckets=[12, 16, 24, 32, 48, 64, 128, 256, 512],
         env={"BERTH_LATENCY_TARGET_MS": "500", "BERTH_MAX_DELAY_MS": "50"},
@@ -681,12 +682,12 @@ def serve_and_measure(
             served = rebucketed(repository, profile.buckets, into)
         import torch
 
-        from services.cli import default_gateways
+        from services.cli import default_engines, default_gateways
 
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         stack = Stack(
             served,
-            engines=profile.engines or max(1, gpus),
+            engines=profile.engines or default_engines(gpus),
             env=profile.env,
             gateways=profile.gateways or default_gateways(gpus),
         )

@@ -38,6 +38,16 @@ def _gpu_count() -> int:
 # ---- berth serve ------------------------------------------------------------
 
 
+def default_engines(gpus: int) -> int:
+    """One engine per GPU. On a CPU-only machine one per core, up to 4, each
+    on its share of the cores: small CPU batches use a second thread poorly,
+    so on 2 cores two 1-thread engines serve ~15 % more than one 2-thread
+    engine (benchmarks/e2e.py, profiles stock and cpu)."""
+    if gpus:
+        return gpus
+    return max(1, min(4, os.cpu_count() or 1))
+
+
 def default_gateways(gpus: int) -> int:
     """Gateway processes: 1 on a CPU-only machine, where the engines need
     the cores; with GPUs, 3 per 8 cores (at most 8). A gateway process
@@ -60,7 +70,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # whatever their names, are never rewritten.
         build_models(repo)
     gpus = _gpu_count()
-    engines = args.engines or max(1, gpus)
+    engines = args.engines or default_engines(gpus)
     common = ["--model-repository", str(repo)]
 
     def metrics_port(offset: int) -> str:
@@ -114,8 +124,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 "--metrics-port",
                 metrics_port(1),
                 # CPU batches take 100s of ms: hedge on the measured p95, not
-                # after 50 ms, and let batches grow to what keeps a CPU busy.
-                *("--hedge-p95", "--latency-target-ms", "500") * (not gpus),
+                # after 50 ms, let batches grow to what keeps a CPU busy, and
+                # wait up to 50 ms for one to fill (small on that scale).
+                *("--hedge-p95", "--latency-target-ms", "500", "--max-delay-ms", "50")
+                * (not gpus),
                 *common,
             ),
         )
@@ -294,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--engines",
         type=int,
         default=0,
-        help="engine workers (default: one per GPU, else 1)",
+        help="engine workers (default: one per GPU, else one per core, at most 4)",
     )
     add_flag(serve, "host", "127.0.0.1", "address every service listens on")
     add_flag(serve, "port", DEFAULT_GATEWAY_PORT, "gateway port")
