@@ -492,19 +492,6 @@ PROFILES = {
         "`berth serve` as shipped (CPU: 1 engine per core, 1 gateway; "
         "GPU: 1 engine per GPU, 3 gateways per 8 cores)",
     ),
-    # Where `berth serve`'s CPU defaults came from, measured on 2 cores: two
-    # single-threaded engines beat one 2-thread engine (small CPU batches use
-    # a second thread poorly), and a loose batch latency target keeps batches
-    # from shrinking under CPU batch times. This profile adds a 12-token
-    # bucket for the mostly-short mix.
-    "cpu": Profile(
-        "cpu",
-        "as stock on 2 cores (2 engines x 1 thread, batch latency target "
-        "500 ms, max delay 50 ms), with a 12-token bucket",
-        engines=2,
-        buckets=[12, 16, 24, 32, 48, 64, 128, 256, 512],
-        env={"BERTH_LATENCY_TARGET_MS": "500", "BERTH_MAX_DELAY_MS": "50"},
-    ),
 }
 
 
@@ -522,7 +509,7 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument(
         "--profiles",
-        default="stock,cpu",
+        default="stock",
         help=f"stacks to start and measure, of {', '.join(PROFILES)}",
     )
     parser.add_argument(

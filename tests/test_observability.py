@@ -96,7 +96,7 @@ def test_one_request_is_one_connected_trace(traced: tuple[Stack, Receiver]) -> N
         and {(CLIENT_TRACE, q.span_id) for q in queues} <= set(s.links)
     )
     assert batch.attributes["berth.batch_size"] == 2
-    assert batch.attributes["berth.bucket"] == 16  # the smallest that fits
+    assert batch.attributes["berth.bucket"] == 12  # the smallest that fits
     assert 0 < batch.attributes["berth.padded_ratio"] <= 1
     # ...and the engine's work hangs under the batch.
     engine = next(
