@@ -9,6 +9,7 @@ for, so its input lands while n computes and the GPU never waits on Python.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -38,12 +39,13 @@ log = logging.getLogger("berth.engine")
 TRACER = tracer("engine")
 
 
-@dataclass
+@dataclass(eq=False)
 class Started:
     """A batch on its way through the device."""
 
     batch: internal_pb2.Batch
     span: Span
+    stream: int = 0  # which Run stream it came on (0: none)
     ticket: Any = None  # the backend's handle while the device works on it
     result: internal_pb2.BatchResult | None = None  # set once answered
 
@@ -60,6 +62,11 @@ class EngineService(internal_pb2_grpc.EngineServicer):
         self.ready = False  # set once every model is loaded and warmed up
         self.failing = False  # chaos: fail every batch (toggled by SIGUSR1)
         self.gpu = open_gpu_stats(backend.device)  # NVML reader; None on the CPU
+        # Submitted, not yet collected (touched on the compute thread only):
+        # a stream that dies with a batch on the device must still give its
+        # pinned slot back.
+        self._uncollected: set[Started] = set()
+        self._streams = itertools.count(1)
 
     async def Info(
         self, request: internal_pb2.EngineInfoRequest, context: grpc.aio.ServicerContext
@@ -111,6 +118,7 @@ class EngineService(internal_pb2_grpc.EngineServicer):
 
         reader = asyncio.create_task(read())
         loop = asyncio.get_running_loop()
+        stream = next(self._streams)
         # At most one batch is on the GPU uncollected: the next one is
         # submitted before the previous one is waited for, so the device
         # never idles between batches (the pinned slots double-buffer).
@@ -127,7 +135,7 @@ class EngineService(internal_pb2_grpc.EngineServicer):
                         )
                         continue
                     in_flight = await loop.run_in_executor(
-                        self._compute, self.start, batch
+                        self._compute, self.start, batch, stream
                     )
                     continue
                 batch = await next_batch(wait=False)
@@ -137,19 +145,35 @@ class EngineService(internal_pb2_grpc.EngineServicer):
                 yield result
         finally:
             reader.cancel()
+            # Queued behind whatever this stream still has on the compute
+            # thread, so even a batch being submitted right now is collected.
+            self._compute.submit(self._release, stream)
 
     def _advance(
         self, done: Started, batch: internal_pb2.Batch | None
     ) -> tuple[internal_pb2.BatchResult, Started | None]:
         """Submit the next batch (if any), then collect the one before it."""
-        started = self.start(batch) if batch is not None else None
+        started = self.start(batch, done.stream) if batch is not None else None
         return self.finish(done), started
+
+    def _release(self, stream: int) -> None:
+        """Collect (and drop) what a closed stream left on the device."""
+        left = [s for s in self._uncollected if s.stream == stream]
+        for started in left:
+            self.finish(started)
+        if left:
+            log.info(
+                "stream %d closed with %d batch(es) on the device: collected, "
+                "answers dropped",
+                stream,
+                len(left),
+            )
 
     def run_batch(self, batch: internal_pb2.Batch) -> internal_pb2.BatchResult:
         """Compute one batch start to finish (on the compute thread)."""
         return self.finish(self.start(batch))
 
-    def start(self, batch: internal_pb2.Batch) -> Started:
+    def start(self, batch: internal_pb2.Batch, stream: int = 0) -> Started:
         """Check a batch and queue it on the device (compute thread)."""
         span: Span = INVALID_SPAN
         if recording():
@@ -162,7 +186,7 @@ class EngineService(internal_pb2_grpc.EngineServicer):
                     "berth.bucket": batch.length,
                 },
             )
-        started = Started(batch, span)
+        started = Started(batch, span, stream)
         try:
             if self.failing:
                 raise RuntimeError("fault injected (SIGUSR1 toggles it; --chaos)")
@@ -179,6 +203,7 @@ class EngineService(internal_pb2_grpc.EngineServicer):
                     batch.batch_size,
                     batch.length,
                 )
+                self._uncollected.add(started)
             else:
                 started.result = self._compute_eagerly(batch, span)
         except Exception as exc:  # one batch failed; the engine lives on
@@ -188,6 +213,7 @@ class EngineService(internal_pb2_grpc.EngineServicer):
     def finish(self, started: Started) -> internal_pb2.BatchResult:
         """Wait for a started batch and answer it (compute thread)."""
         batch, span = started.batch, started.span
+        self._uncollected.discard(started)
         try:
             if started.result is None:
                 collect = self.backend.collect  # type: ignore[attr-defined]
