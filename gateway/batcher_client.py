@@ -16,6 +16,28 @@ from services.streams import StreamClient
 
 log = logging.getLogger("berth.gateway")
 
+# A merged message stays well under the internal hops' 64 MiB limit.
+MERGE_BYTES = 4 * 2**20
+
+
+def merge_messages(
+    messages: list[internal_pb2.GatewayMessage], limit: int
+) -> list[internal_pb2.GatewayMessage]:
+    """Messages queued together, in order, as few messages as fit under
+    ``limit`` bytes each (a single larger one goes alone)."""
+    merged = [internal_pb2.GatewayMessage()]
+    size = 0
+    for message in messages:
+        grows = message.ByteSize()
+        if size and size + grows > limit:
+            merged.append(internal_pb2.GatewayMessage())
+            size = 0
+        merged[-1].sequences.extend(message.sequences)
+        if message.cancel.ids:  # (an empty cancel would still be sent)
+            merged[-1].cancel.ids.extend(message.cancel.ids)
+        size += grows
+    return merged
+
 
 class BatcherClient(
     StreamClient[
@@ -52,7 +74,7 @@ class BatcherClient(
                     token_ids=tokens.astype("<i4", copy=False).tobytes(),
                     offsets=offsets.tobytes(),
                     timeout_ms=timeout_ms,
-                    trace_context=trace_context,
+                    trace_context=trace_context or {},
                 )
             ]
         )
@@ -102,12 +124,9 @@ class BatcherClient(
     def _merge(
         self, messages: list[internal_pb2.GatewayMessage]
     ) -> list[internal_pb2.GatewayMessage]:
-        """Every request queued since the last write goes as one message."""
-        merged = internal_pb2.GatewayMessage()
-        for message in messages:
-            merged.sequences.extend(message.sequences)
-            merged.cancel.ids.extend(message.cancel.ids)
-        return [merged]
+        """The requests queued since the last write, in as few messages as
+        fit under MERGE_BYTES (one, unless calls carry many long texts)."""
+        return merge_messages(messages, MERGE_BYTES)
 
     def _connection_changed(self, connected: bool, reason: str) -> None:
         if connected:

@@ -82,9 +82,10 @@ _TOKENS_TAG = bytes([2 << 3 | 0])
 def embeddings_wire(vectors: np.ndarray, counts: list[int]) -> bytes:
     """The ``embeddings`` of an EmbedResponse in protobuf wire format.
 
-    Merged into the response with one parse in C: building each Embedding
-    from a list of Python floats costs ~100 µs per 768-wide vector, this a
-    few. Packed repeated floats are little-endian float32 back to back."""
+    Merged into the response with one parse in C: building an Embedding
+    from a list of Python floats took 16.5 µs per 768-wide vector on the dev
+    machine, this 2.5 µs. Packed repeated floats are little-endian float32
+    back to back."""
     rows = np.ascontiguousarray(vectors, dtype="<f4")
     values_len = _varint(rows.shape[1] * 4)
     parts: list[bytes] = []

@@ -1,12 +1,13 @@
-"""The gateway's hand-built wire bytes parse to what protobuf itself builds."""
+"""The gateway's wire work: hand-built response bytes, merged batcher writes."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from gateway.batcher_client import merge_messages
 from gateway.service import embeddings_wire
-from services.proto.berth.v1 import berth_pb2
+from services.proto.berth.v1 import berth_pb2, internal_pb2
 
 
 @pytest.mark.parametrize(
@@ -38,3 +39,38 @@ def test_float64_vectors_are_sent_as_float32() -> None:
     merged = berth_pb2.EmbedResponse()
     merged.MergeFromString(embeddings_wire(vectors, [3]))
     assert list(merged.embeddings[0].values) == [0.5, -1.25]
+
+
+def _request(first_id: int, texts: int, tokens: int) -> internal_pb2.GatewayMessage:
+    offsets = np.arange(texts + 1, dtype="<i4") * tokens
+    return internal_pb2.GatewayMessage(
+        sequences=[
+            internal_pb2.Sequences(
+                model="minilm",
+                ids=list(range(first_id, first_id + texts)),
+                token_ids=np.ones(texts * tokens, dtype="<i4").tobytes(),
+                offsets=offsets.tobytes(),
+            )
+        ]
+    )
+
+
+def test_merged_messages_keep_order_and_stay_under_the_limit() -> None:
+    # (ids of one varint width, so every request has the same size)
+    queued = [_request(1000 + 100 * i, texts=4, tokens=64) for i in range(10)]
+    queued.insert(3, internal_pb2.GatewayMessage(cancel=internal_pb2.Cancel(ids=[7])))
+    queued.append(_request(5000, texts=64, tokens=512))  # alone over the limit
+    limit = 3 * queued[0].ByteSize()
+    merged = merge_messages(queued, limit)
+    # Nothing lost or reordered; cancels kept.
+    assert [s.ids[0] for m in merged for s in m.sequences] == [
+        1000 + 100 * i for i in range(10)
+    ] + [5000]
+    assert [i for m in merged for i in m.cancel.ids] == [7]
+    # Every message fits, but for the one request that alone exceeds it.
+    assert all(m.ByteSize() <= limit for m in merged[:-1])
+    assert len(merged[-1].sequences) == 1 and merged[-1].ByteSize() > limit
+    # Greedy: 3 requests; the cancel and 2; 3; 2; the big one.
+    assert [len(m.sequences) for m in merged] == [3, 2, 3, 2, 1]
+    # One message when everything fits.
+    assert len(merge_messages(queued[:3], 10 * limit)) == 1
