@@ -9,12 +9,11 @@ for, so its input lands while n computes and the GPU never waits on Python.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -39,15 +38,34 @@ log = logging.getLogger("berth.engine")
 TRACER = tracer("engine")
 
 
-@dataclass(eq=False)
+@dataclass
 class Started:
     """A batch on its way through the device."""
 
     batch: internal_pb2.Batch
     span: Span
-    stream: int = 0  # which Run stream it came on (0: none)
     ticket: Any = None  # the backend's handle while the device works on it
     result: internal_pb2.BatchResult | None = None  # set once answered
+
+
+END = object()  # a stream's reader is done
+SKIPPED = object()  # a batch cancelled before compute: counted, not answered
+
+
+@dataclass(eq=False)
+class Caller:
+    """One Run stream, as the device loop sees it."""
+
+    answers: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+    cancelled: set[int] = field(default_factory=set)
+    closed: bool = False  # the stream is gone: drop its answers
+
+    def answer(self, result: internal_pb2.BatchResult) -> None:
+        if not self.closed:
+            self.answers.put_nowait(result)
+
+
+Work = tuple[internal_pb2.Batch, Caller]
 
 
 class EngineService(internal_pb2_grpc.EngineServicer):
@@ -62,11 +80,9 @@ class EngineService(internal_pb2_grpc.EngineServicer):
         self.ready = False  # set once every model is loaded and warmed up
         self.failing = False  # chaos: fail every batch (toggled by SIGUSR1)
         self.gpu = open_gpu_stats(backend.device)  # NVML reader; None on the CPU
-        # Submitted, not yet collected (touched on the compute thread only):
-        # a stream that dies with a batch on the device must still give its
-        # pinned slot back.
-        self._uncollected: set[Started] = set()
-        self._streams = itertools.count(1)
+        # One loop feeds the device from every stream (started by the first).
+        self._work: asyncio.Queue[Work] | None = None
+        self._device: asyncio.Task[None] | None = None
 
     async def Info(
         self, request: internal_pb2.EngineInfoRequest, context: grpc.aio.ServicerContext
@@ -89,91 +105,110 @@ class EngineService(internal_pb2_grpc.EngineServicer):
         request_iterator: AsyncIterator[internal_pb2.EngineRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[internal_pb2.BatchResult]:
-        pending: asyncio.Queue[internal_pb2.Batch | None] = asyncio.Queue()
-        cancelled: set[int] = set()
+        """One batcher's stream: its batches join the device's one queue;
+        answers come back in the order computed."""
+        work = self._device_queue()
+        caller = Caller()
+        sent = 0  # batches of this stream the device has not answered yet
 
         async def read() -> None:
+            nonlocal sent
             try:
                 async for request in request_iterator:
                     if request.HasField("batch"):
-                        pending.put_nowait(request.batch)
+                        sent += 1
+                        work.put_nowait((request.batch, caller))
                     else:
-                        cancelled.add(request.cancel.id)
+                        caller.cancelled.add(request.cancel.id)
             finally:
-                pending.put_nowait(None)
-
-        async def next_batch(wait: bool) -> internal_pb2.Batch | None:
-            """The next batch not cancelled; None at the end (or, without
-            wait, when none is queued now)."""
-            while wait or not pending.empty():
-                batch = await pending.get()
-                if batch is None:
-                    pending.put_nowait(None)  # the end stays visible
-                    return None
-                if batch.id in cancelled:  # dropped before compute
-                    cancelled.discard(batch.id)
-                    continue
-                return batch
-            return None
+                caller.answers.put_nowait(END)
 
         reader = asyncio.create_task(read())
-        loop = asyncio.get_running_loop()
-        stream = next(self._streams)
-        # At most one batch is on the GPU uncollected: the next one is
-        # submitted before the previous one is waited for, so the device
-        # never idles between batches (the pinned slots double-buffer).
-        in_flight: Started | None = None
+        ended = False
         try:
-            while True:
-                if in_flight is None:
-                    batch = await next_batch(wait=True)
-                    if batch is None:
-                        break
-                    if pending.empty():  # nothing to overlap: one thread hop
-                        yield await loop.run_in_executor(
-                            self._compute, self.run_batch, batch
-                        )
-                        continue
-                    in_flight = await loop.run_in_executor(
-                        self._compute, self.start, batch, stream
+            while not ended or sent:
+                answer = await caller.answers.get()
+                if answer is END:
+                    ended = True
+                    continue
+                sent -= 1
+                if answer is not SKIPPED:
+                    yield answer
+        finally:
+            caller.closed = True  # what it still has queued is dropped
+            reader.cancel()
+
+    def _device_queue(self) -> asyncio.Queue[Work]:
+        """The device loop's queue, the loop started on first use (and again
+        should the event loop have changed, as between tests)."""
+        if self._device is None or self._device.get_loop() is not (
+            asyncio.get_running_loop()
+        ):
+            self._work = asyncio.Queue()
+            self._device = asyncio.create_task(self._device_loop())
+        assert self._work is not None
+        return self._work
+
+    async def _next_work(self, wait: bool) -> Work | None:
+        """The next queued batch someone still wants; without wait, None
+        when there is none now."""
+        assert self._work is not None
+        while wait or not self._work.empty():
+            batch, caller = await self._work.get()  # at once when not empty
+            if caller.closed:
+                continue
+            if batch.id in caller.cancelled:  # dropped before compute
+                caller.cancelled.discard(batch.id)
+                caller.answers.put_nowait(SKIPPED)
+                continue
+            return batch, caller
+        return None
+
+    async def _device_loop(self) -> None:
+        """Every stream's batches through the device, in arrival order. At
+        most one batch is on the GPU uncollected: the next is submitted
+        before the previous is waited for (the pinned slots double-buffer),
+        so the device never waits on Python between batches. start, finish
+        and run_batch turn a batch's failure into its answer."""
+        assert self._work is not None
+        loop = asyncio.get_running_loop()
+        compute = self._compute
+        in_flight: tuple[Started, Caller] | None = None
+        while True:
+            if in_flight is None:
+                item = await self._next_work(wait=True)
+                assert item is not None  # (wait=True returns a batch)
+                batch, caller = item
+                if self._work.empty():  # nothing to overlap: one thread hop
+                    caller.answer(
+                        await loop.run_in_executor(compute, self.run_batch, batch)
                     )
                     continue
-                batch = await next_batch(wait=False)
-                result, in_flight = await loop.run_in_executor(
-                    self._compute, self._advance, in_flight, batch
-                )
-                yield result
-        finally:
-            reader.cancel()
-            # Queued behind whatever this stream still has on the compute
-            # thread, so even a batch being submitted right now is collected.
-            self._compute.submit(self._release, stream)
+                started = await loop.run_in_executor(compute, self.start, batch)
+                in_flight = (started, caller)
+                continue
+            item = await self._next_work(wait=False)
+            done, done_caller = in_flight
+            result, started_next = await loop.run_in_executor(
+                compute, self._advance, done, item[0] if item else None
+            )
+            done_caller.answer(result)
+            in_flight = None
+            if item is not None and started_next is not None:
+                in_flight = (started_next, item[1])
 
     def _advance(
         self, done: Started, batch: internal_pb2.Batch | None
     ) -> tuple[internal_pb2.BatchResult, Started | None]:
         """Submit the next batch (if any), then collect the one before it."""
-        started = self.start(batch, done.stream) if batch is not None else None
+        started = self.start(batch) if batch is not None else None
         return self.finish(done), started
-
-    def _release(self, stream: int) -> None:
-        """Collect (and drop) what a closed stream left on the device."""
-        left = [s for s in self._uncollected if s.stream == stream]
-        for started in left:
-            self.finish(started)
-        if left:
-            log.info(
-                "stream %d closed with %d batch(es) on the device: collected, "
-                "answers dropped",
-                stream,
-                len(left),
-            )
 
     def run_batch(self, batch: internal_pb2.Batch) -> internal_pb2.BatchResult:
         """Compute one batch start to finish (on the compute thread)."""
         return self.finish(self.start(batch))
 
-    def start(self, batch: internal_pb2.Batch, stream: int = 0) -> Started:
+    def start(self, batch: internal_pb2.Batch) -> Started:
         """Check a batch and queue it on the device (compute thread)."""
         span: Span = INVALID_SPAN
         if recording():
@@ -186,7 +221,7 @@ class EngineService(internal_pb2_grpc.EngineServicer):
                     "berth.bucket": batch.length,
                 },
             )
-        started = Started(batch, span, stream)
+        started = Started(batch, span)
         try:
             if self.failing:
                 raise RuntimeError("fault injected (SIGUSR1 toggles it; --chaos)")
@@ -203,7 +238,6 @@ class EngineService(internal_pb2_grpc.EngineServicer):
                     batch.batch_size,
                     batch.length,
                 )
-                self._uncollected.add(started)
             else:
                 started.result = self._compute_eagerly(batch, span)
         except Exception as exc:  # one batch failed; the engine lives on
@@ -213,7 +247,6 @@ class EngineService(internal_pb2_grpc.EngineServicer):
     def finish(self, started: Started) -> internal_pb2.BatchResult:
         """Wait for a started batch and answer it (compute thread)."""
         batch, span = started.batch, started.span
-        self._uncollected.discard(started)
         try:
             if started.result is None:
                 collect = self.backend.collect  # type: ignore[attr-defined]

@@ -304,7 +304,7 @@ def test_pipelined_service_matches_one_at_a_time(
             )  # fmt: skip
         )
     alone = [service.run_batch(b).output for b in batches]
-    started = service.start(batches[0], stream=3)
+    started = service.start(batches[0])
     piped = []
     for b in batches[1:]:
         result, started = service._advance(started, b)
@@ -312,32 +312,6 @@ def test_pipelined_service_matches_one_at_a_time(
     result, _ = service._advance(started, None)
     piped.append(result.output)
     assert piped == alone
-
-
-def test_a_closed_stream_gives_its_pinned_slot_back(
-    backend: CudaBackend, refs: Fixtures
-) -> None:
-    internal_pb2 = pytest.importorskip("services.proto.berth.v1.internal_pb2")
-    from engine.service import EngineService
-
-    service = EngineService(backend, refs.entries)
-    ids, lengths = random_batch(9, 64, 30000, seed=4)
-
-    def batch(i: int) -> object:
-        return internal_pb2.Batch(
-            id=i, model="minilm", batch_size=9, length=64,
-            token_ids=ids.tobytes(), lengths=lengths.tobytes(),
-        )  # fmt: skip
-
-    # A stream submits a batch and is gone before collecting it...
-    left = service.start(batch(1), stream=5)
-    assert left.ticket is not None and left.result is None
-    service._release(5)  # what Run's finally queues on the compute thread
-    # ...and every pinned slot serves again (without the release, every
-    # second batch would find its slot still holding batch 1).
-    for i in range(2, 7):
-        result = service.run_batch(batch(i))
-        assert result.code == 0, result.message
 
 
 def test_engine_worker_captures_before_serving(refs: Fixtures, tmp_path: Path) -> None:
