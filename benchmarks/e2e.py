@@ -482,6 +482,7 @@ class Profile:
     about: str
     engines: int = 0  # 0: `berth serve`'s default (1 per GPU, else 1)
     gateways: int = 0  # 0: `berth serve`'s default
+    batchers: int = 1
     buckets: list[int] | None = None  # None: the repository's own
     env: dict[str, str] = field(default_factory=dict)
 
@@ -557,6 +558,7 @@ def parse_args() -> argparse.Namespace:
     )
     custom.add_argument("--engines", type=int, help="engine processes")
     custom.add_argument("--gateways", type=int, help="gateway processes")
+    custom.add_argument("--batchers", type=int, help="batcher processes")
     custom.add_argument("--buckets", help="length buckets, e.g. 16,32,48,64,512")
     custom.add_argument(
         "--env",
@@ -578,13 +580,14 @@ def profiles_of(args: argparse.Namespace) -> list[Profile]:
         if name not in PROFILES:
             raise SystemExit(f"unknown profile {name!r}; use {', '.join(PROFILES)}")
         chosen.append(PROFILES[name])
-    if args.engines or args.gateways or args.buckets or args.env:
+    if args.engines or args.gateways or args.batchers or args.buckets or args.env:
         chosen.append(
             Profile(
                 "custom",
-                "from --engines/--gateways/--buckets/--env",
+                "from --engines/--gateways/--batchers/--buckets/--env",
                 engines=args.engines or 0,
                 gateways=args.gateways or 0,
+                batchers=args.batchers or 1,
                 buckets=[int(b) for b in args.buckets.split(",")]
                 if args.buckets
                 else None,
@@ -677,6 +680,7 @@ def serve_and_measure(
             engines=profile.engines or default_engines(gpus),
             env=profile.env,
             gateways=profile.gateways or default_gateways(gpus),
+            batchers=profile.batchers,
         )
         stack.wait_serving()
         address = stack.gateway

@@ -109,35 +109,49 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 env,
             )
         )
-    batcher = f"{args.host}:{args.batcher_port}"
-    children.append(
-        Child(
-            "batcher",
-            python_module(
-                "batcher",
-                "--host",
-                args.host,
-                "--port",
-                str(args.batcher_port),
-                "--engines",
-                ",".join(engine_addresses),
-                "--metrics-port",
-                metrics_port(1),
-                # CPU batches take 100s of ms: hedge on the measured p95, not
-                # after 50 ms, let batches grow to what keeps a CPU busy, and
-                # wait up to 50 ms for one to fill (small on that scale).
-                *("--hedge-p95", "--latency-target-ms", "500", "--max-delay-ms", "50")
-                * (not gpus),
-                *common,
-            ),
-        )
-    )
-    gateway = f"{args.host}:{args.port}"
     gateways = args.gateways or default_gateways(gpus)
+    batchers = max(1, min(args.batchers, gateways))
+    # /metrics: gateway 0 on the base port, batcher 0 next, the engines, then
+    # the other gateways, then the other batchers.
+    batcher_metrics = [1] + [engines + gateways + i for i in range(1, batchers)]
+    batcher_addresses = []
+    for i in range(batchers):
+        port = args.batcher_port + i
+        batcher_addresses.append(f"{args.host}:{port}")
+        children.append(
+            Child(
+                "batcher" if batchers == 1 else f"batcher-{i}",
+                python_module(
+                    "batcher",
+                    "--host",
+                    args.host,
+                    "--port",
+                    str(port),
+                    "--engines",
+                    ",".join(engine_addresses),
+                    "--metrics-port",
+                    metrics_port(batcher_metrics[i]),
+                    # CPU batches take 100s of ms: hedge on the measured p95,
+                    # not after 50 ms, let batches grow to what keeps a CPU
+                    # busy, and wait up to 50 ms for one to fill (small on
+                    # that scale).
+                    *(
+                        "--hedge-p95",
+                        "--latency-target-ms",
+                        "500",
+                        "--max-delay-ms",
+                        "50",
+                    )
+                    * (not gpus),
+                    *common,
+                ),
+            )
+        )
+    gateway = f"{args.host}:{args.port}"
     for i in range(gateways):
         # Every gateway listens on the same port (SO_REUSEPORT: the kernel
-        # spreads connections over them); each has its own batcher stream.
-        # /metrics: the first on the base port, the others after the engines.
+        # spreads connections over them); each has its own stream to one
+        # batcher, gateways spread evenly over the batchers.
         children.append(
             Child(
                 "gateway" if gateways == 1 else f"gateway-{i}",
@@ -148,7 +162,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     "--port",
                     str(args.port),
                     "--batcher",
-                    batcher,
+                    batcher_addresses[i % batchers],
                     "--metrics-port",
                     metrics_port(0 if i == 0 else 1 + engines + i),
                     *common,
@@ -158,10 +172,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     supervisor = Supervisor(children)
     supervisor.start()
     log.info(
-        "starting %d engine(s) on %s, batcher on %s, %d gateway process(es) on %s",
+        "starting %d engine(s) on %s, %d batcher(s) on %s, %d gateway "
+        "process(es) on %s",
         engines,
         "GPU" if gpus else args.device,
-        batcher,
+        batchers,
+        ", ".join(batcher_addresses),
         gateways,
         gateway,
     )
@@ -317,7 +333,14 @@ def build_parser() -> argparse.ArgumentParser:
         "gateway processes sharing --port (0: 1 without a GPU, else 3 per 8 "
         "cores, at most 8)",
     )
-    add_flag(serve, "batcher-port", DEFAULT_BATCHER_PORT, "batcher port")
+    add_flag(
+        serve,
+        "batchers",
+        1,
+        "batcher processes (ports from --batcher-port on); each gateway "
+        "streams to one, and every batcher to every engine",
+    )
+    add_flag(serve, "batcher-port", DEFAULT_BATCHER_PORT, "first batcher port")
     add_flag(serve, "engine-port", DEFAULT_ENGINE_PORT, "first engine port")
     add_flag(serve, "backend", "torch", "engine backend")
     add_flag(serve, "device", "auto", "engine device when there is no GPU")
@@ -326,8 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
         serve,
         "metrics-port",
         9464,
-        "gateway's /metrics port; batcher +1, engines +2..., further "
-        "gateways after the engines (0: off)",
+        "gateway's /metrics port; batcher +1, engines +2..., then further "
+        "gateways, then further batchers (0: off)",
     )
     serve.add_argument(
         "--chaos", action="store_true", help="engines take SIGUSR1 to fail batches"

@@ -51,16 +51,20 @@ class Stack:
         env: dict[str, str] | None = None,
         extra_args: list[str] | None = None,
         gateways: int = 1,
+        batchers: int = 1,
     ) -> None:
-        gateway, batcher, *engine_ports = free_ports(2 + engines)
-        # Engine ports are consecutive from --engine-port: find a free run.
+        (gateway,) = free_ports(1)
+        # Engine and batcher ports are consecutive from --engine-port and
+        # --batcher-port: find free runs.
         base = _free_run(engines)
-        metrics_base = _free_run(engines + 1 + gateways)
+        batcher = _free_run(batchers)
+        metrics_base = _free_run(engines + gateways + batchers)
         self.gateway = f"127.0.0.1:{gateway}"
-        # /metrics: gateway, batcher, each engine, then the other gateways.
+        # /metrics: gateway, batcher, each engine, then the other gateways,
+        # then the other batchers.
         self.metrics = [
             f"http://127.0.0.1:{metrics_base + i}/metrics"
-            for i in range(engines + 1 + gateways)
+            for i in range(engines + gateways + batchers)
         ]
         self.batcher = f"127.0.0.1:{batcher}"
         self.engines = [f"127.0.0.1:{base + i}" for i in range(engines)]
@@ -87,6 +91,8 @@ class Stack:
             str(metrics_base),
             "--gateways",
             str(gateways),
+            "--batchers",
+            str(batchers),
             *(extra_args or []),
         ]
         self.proc = subprocess.Popen(

@@ -1,5 +1,5 @@
-"""Gateway processes: several share one port; a caller's cancel reaches the
-batcher."""
+"""Gateway and batcher processes: several gateways share one port, each
+streams to one of several batchers; a caller's cancel reaches the batcher."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ CALLS_PER_CONNECTION = 3
 
 @pytest.fixture(scope="module")
 def two_gateways(repository: Path) -> Iterator[Stack]:
-    stack = Stack(repository, gateways=2)
+    stack = Stack(repository, gateways=2, batchers=2)
     try:
         stack.wait_serving()
         yield stack
@@ -30,9 +30,13 @@ def two_gateways(repository: Path) -> Iterator[Stack]:
         stack.stop()
 
 
-def test_connections_spread_over_gateway_processes(two_gateways: Stack) -> None:
+def test_connections_spread_over_gateways_and_batchers(two_gateways: Stack) -> None:
     # Separate connections (no shared subchannel pool), as separate clients
     # would open: the kernel hands each to one of the listening processes.
+    batcher_urls = (two_gateways.metrics[1], two_gateways.metrics[4])
+    batched_pattern = r'berth_batcher_sequences_total\{.*outcome="ok".*\}'
+    # (gateways probe their batcher when they start: count from here)
+    before = [value(scrape(url), batched_pattern) for url in batcher_urls]
     options = [("grpc.use_local_subchannel_pool", 1)]
     channels = [
         grpc.insecure_channel(two_gateways.gateway, options=options)
@@ -50,15 +54,20 @@ def test_connections_spread_over_gateway_processes(two_gateways: Stack) -> None:
     finally:
         for channel in channels:
             channel.close()
-    # Gateway 0's /metrics is the first port; gateway 1's comes after the
-    # batcher's and the engine's.
-    first, second = two_gateways.metrics[0], two_gateways.metrics[-1]
+    # /metrics: gateway 0, batcher 0, the engine, gateway 1, batcher 1.
+    gateway_0, _, _, gateway_1, _ = two_gateways.metrics
     pattern = r'berth_gateway_requests_total\{.*model="minilm".*outcome="ok".*\}'
-    counts = [value(scrape(url), pattern) for url in (first, second)]
+    counts = [value(scrape(url), pattern) for url in (gateway_0, gateway_1)]
     # Every call answered once, and both processes took some: all 16
     # connections on one process has probability 2 * 2**-16.
     assert sum(counts) == CONNECTIONS * CALLS_PER_CONNECTION, counts
     assert min(counts) > 0, counts
+    # Each gateway streams to its own batcher; both fed the one engine.
+    batched = [
+        value(scrape(url), batched_pattern) - start
+        for url, start in zip(batcher_urls, before, strict=True)
+    ]
+    assert batched == counts, (batched, counts)
 
 
 def test_a_cancelled_call_leaves_the_batcher_queue(repository: Path) -> None:
