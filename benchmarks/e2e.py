@@ -482,7 +482,7 @@ class Profile:
     about: str
     engines: int = 0  # 0: `berth serve`'s default (1 per GPU, else 1)
     gateways: int = 0  # 0: `berth serve`'s default
-    batchers: int = 1
+    batchers: int = 0  # 0: `berth serve`'s default
     buckets: list[int] | None = None  # None: the repository's own
     env: dict[str, str] = field(default_factory=dict)
 
@@ -491,7 +491,7 @@ PROFILES = {
     "stock": Profile(
         "stock",
         "`berth serve` as shipped (CPU: 1 engine per core, 1 gateway; "
-        "GPU: 1 engine per GPU, 3 gateways per 8 cores)",
+        "GPU: 1 engine per GPU, 1 gateway per 2 cores, 1 batcher per 4 gateways)",
     ),
 }
 
@@ -587,7 +587,7 @@ def profiles_of(args: argparse.Namespace) -> list[Profile]:
                 "from --engines/--gateways/--batchers/--buckets/--env",
                 engines=args.engines or 0,
                 gateways=args.gateways or 0,
-                batchers=args.batchers or 1,
+                batchers=args.batchers or 0,
                 buckets=[int(b) for b in args.buckets.split(",")]
                 if args.buckets
                 else None,
@@ -672,15 +672,16 @@ def serve_and_measure(
             served = rebucketed(repository, profile.buckets, into)
         import torch
 
-        from services.cli import default_engines, default_gateways
+        from services.cli import default_batchers, default_engines, default_gateways
 
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        gateways = profile.gateways or default_gateways(gpus)
         stack = Stack(
             served,
             engines=profile.engines or default_engines(gpus),
             env=profile.env,
-            gateways=profile.gateways or default_gateways(gpus),
-            batchers=profile.batchers,
+            gateways=gateways,
+            batchers=profile.batchers or default_batchers(gateways),
         )
         stack.wait_serving()
         address = stack.gateway
