@@ -45,6 +45,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.random_models import (  # noqa: E402
+    MODELS,
+    VOCAB,
+    write_random_checkpoint,
+)
 from engine.cuda_backend import (  # noqa: E402
     DEFAULT_INPUT,
     INPUT_MODES,
@@ -54,13 +59,8 @@ from engine.cuda_backend import (  # noqa: E402
 from engine.kernels import add_layer_norm, attention  # noqa: E402
 from services.repository import ModelEntry  # noqa: E402
 
-MODELS = {
-    "bert-base": {"hidden": 768, "layers": 12, "heads": 12, "inner": 3072},
-    "minilm": {"hidden": 384, "layers": 6, "heads": 12, "inner": 1536},
-}
 BATCHES = (1, 8, 32, 64, 128, 256)
 LENGTHS = (16, 32, 64, 128, 256, 512)
-VOCAB = 30522
 
 
 def event() -> torch.cuda.Event:
@@ -128,20 +128,7 @@ def flops(spec: dict[str, int], batch: int, length: int) -> float:
 
 
 def write_checkpoint(name: str, directory: Path) -> ModelEntry:
-    import transformers
-
-    spec = MODELS[name]
-    config = transformers.BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=spec["hidden"],
-        num_hidden_layers=spec["layers"],
-        num_attention_heads=spec["heads"],
-        intermediate_size=spec["inner"],
-        max_position_embeddings=512,
-    )
-    torch.manual_seed(0)
-    model: Any = transformers.BertModel(config, add_pooling_layer=False)
-    model.save_pretrained(directory, safe_serialization=True)
+    write_random_checkpoint(name, directory)
     return ModelEntry(name=name, task="embed", checkpoint=str(directory), root="/")
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.random_models import write_random_checkpoint
 from services.default_models import SHORT_TEXT_BUCKETS, minilm_checkpoint
 from services.repository import ModelEntry
 
@@ -27,21 +28,9 @@ log = logging.getLogger("berth.bench")
 
 def write_bert_base(checkpoint: Path, tokenizer: Path) -> None:
     """Random BERT-base weights in fp16 (what the engine runs) plus tokenizer."""
-    import transformers
-
     if (checkpoint / "model.safetensors").exists():
         return
-    config = transformers.BertConfig(
-        vocab_size=30522,
-        hidden_size=768,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        intermediate_size=3072,
-        max_position_embeddings=512,
-    )
-    torch.manual_seed(0)
-    model = transformers.BertModel(config, add_pooling_layer=False).half()
-    model.save_pretrained(checkpoint, safe_serialization=True)
+    write_random_checkpoint("bert-base", checkpoint, torch.float16)
     shutil.copy(tokenizer, checkpoint / "tokenizer.json")
     log.info("bert-base: random weights written to %s", checkpoint)
 
