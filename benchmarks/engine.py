@@ -14,11 +14,15 @@ load. For every (batch, length) of BATCHES x LENGTHS, in one process:
   inputs (what most users run): median of CUDA-event timings;
 - pipe_seq_s: sequences/s with double buffering (batch n+1 submitted before
   batch n is collected);
+- padded_ms: shapes the engine runs packed (B*L >= 4096 tokens: no padding
+  token computed), timed again on a backend that keeps them padded;
 - TFLOP/s: the graph's (padded tokens' matmul and attention FLOPs), against
   the fp16 matmul ceiling measured first.
 
-Rows have lengths drawn from (L/2, L], the first row full. Then single
-kernels are probed and the fused forward's kernels profiled.
+Rows have lengths drawn from (L/2, L], the first row full; BERT-base at
+128 x 128 is timed once more with every row full (packing saves nothing
+there). Then single kernels are probed and the fused forward's kernels
+profiled.
 
     python benchmarks/engine.py --out engine_h200.json [--models minilm] [--quick]
 """
@@ -56,6 +60,7 @@ from engine.cuda_backend import (  # noqa: E402
     CudaBackend,
     collect,
 )
+from engine.cuda_graphs import token_ladder  # noqa: E402
 from engine.kernels import add_layer_norm, attention  # noqa: E402
 from services.repository import ModelEntry  # noqa: E402
 
@@ -200,11 +205,19 @@ def bench_shape(
     name: str,
     shape: tuple[int, int],
     peak: float,
+    full: bool = False,
 ) -> dict[str, Any]:
     batch, length = shape
     ids, lengths = inputs(batch, length, seed=batch * 1000 + length)
+    if full:  # every row as long as the shape: nothing for packing to save
+        ids[ids == 0] = 1000
+        lengths[:] = length
     args = (name, ids.tobytes(), lengths.tobytes(), batch, length)
-    ours = {mode: time_ours(backend, args) for mode, backend in backends.items()}
+    ours = {
+        mode: time_ours(backend, args)
+        for mode, backend in backends.items()
+        if mode != "padded" or token_ladder(batch, length)
+    }
     ids_t = torch.from_numpy(ids).long().cuda()
     mask = torch.from_numpy(ids != 0).long().cuda()
     mask[:, 0] = 1
@@ -231,7 +244,14 @@ def bench_shape(
         "min_cos_vs_hf": round(float(cos.min()), 6),
         "attention": backends[DEFAULT_INPUT].runner(name).forward.chosen[shape],
     }
+    if full:
+        row["rows_full"] = True
+    if "padded" in ours:
+        row["padded_ms"] = round(ours["padded"]["ms"], 4)
+        row["padded_pipe_seq_s"] = round(ours["padded"]["pipe"])
     for mode, timing in ours.items():
+        if mode == "padded":
+            continue
         key = mode.replace("-", "_")
         row[f"ours_ms_{key}"] = round(timing["ms"], 4)
         row[f"graph_ms_{key}"] = round(timing["graph_ms"], 4)
@@ -243,7 +263,8 @@ def bench_shape(
 HEADER = (
     f"{'model':9} {'batch':>5} {'len':>4} {'ours_ms':>8} {'other_ms':>8} "
     f"{'graph_ms':>8} {'hf_ms':>8} {'speedup':>7} {'ours_seq/s':>10} "
-    f"{'pipe_seq/s':>10} {'hf_seq/s':>9} {'TFLOP/s':>7} {'%ceil':>5} {'cos_hf':>7}"
+    f"{'pipe_seq/s':>10} {'hf_seq/s':>9} {'TFLOP/s':>7} {'%ceil':>5} {'cos_hf':>7} "
+    f"{'padded_ms':>9}"
 )
 
 
@@ -255,7 +276,8 @@ def row_line(r: dict[str, Any]) -> str:
         f"{r['hf_eager_ms']:8.3f} {r['hf_eager_ms'] / r['ours_ms']:6.1f}x "
         f"{r['batch'] / r['ours_ms'] * 1e3:10.0f} {r['pipe_seq_s']:10d} "
         f"{r['batch'] / r['hf_eager_ms'] * 1e3:9.0f} {r['tflops']:7.1f} "
-        f"{r['ceiling_pct']:5.1f} {r['min_cos_vs_hf']:7.4f}"
+        f"{r['ceiling_pct']:5.1f} {r['min_cos_vs_hf']:7.4f} "
+        f"{r.get('padded_ms', float('nan')):9.3f}"
     )
 
 
@@ -274,6 +296,9 @@ def bench_model(
             f"{name} {mode}: graphs captured in {time.perf_counter() - began:.1f} s; "
             f"attention {sorted(chosen.items())}"
         )
+    backends["padded"] = CudaBackend("cuda:0", input_mode=DEFAULT_INPUT, pack=False)
+    backends["padded"].load(entry)
+    backends["padded"].warmup(name, [s for s in shapes if token_ladder(*s)])
     hf = hf_model(entry.checkpoint)
     rows = []
     print(f"ours_ms: {DEFAULT_INPUT} inputs; other_ms: the other mode", flush=True)
@@ -281,6 +306,10 @@ def bench_model(
     for shape in shapes:
         rows.append(bench_shape(backends, hf, name, shape, peak))
         print(row_line(rows[-1]), flush=True)
+    if name == "bert-base" and (128, 128) in shapes:
+        full = bench_shape(backends, hf, name, (128, 128), peak, full=True)
+        print(row_line(full), "(every row 128 tokens)", flush=True)
+        rows.append(full)
     if name == "bert-base":
         profile(backends[DEFAULT_INPUT], name)
     del hf, backends
@@ -438,19 +467,21 @@ def main() -> None:
     if args.quick:
         shapes = [(b, n) for b, n in shapes if n == 128]
     result["rows"] = []
+    result["rows_full"] = []  # the same shapes with every row full
     if not args.no_probes:
         result["probes_ms"] = probe_kernels()
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
-            result["rows"] += bench_model(
-                name, shapes, result["matmul_tflops"], Path(tmp)
-            )
+            for row in bench_model(name, shapes, result["matmul_tflops"], Path(tmp)):
+                result["rows_full" if row.get("rows_full") else "rows"].append(row)
             args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"\nfp16 matmul ceiling {result['matmul_tflops']} TFLOP/s")
     print(f"ours_ms: {DEFAULT_INPUT} inputs; other_ms: the other mode")
     print(HEADER)
     for row in result["rows"]:
         print(row_line(row))
+    for row in result["rows_full"]:
+        print(row_line(row), "(every row full)")
 
 
 if __name__ == "__main__":

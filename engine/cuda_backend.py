@@ -12,7 +12,9 @@ torch on any device. Settings from the environment:
   each replay); benchmarks/engine.py measures both: zero-copy wins end to
   end on small batches (fewer host calls) and ties on large ones;
 - ``BERTH_EXACT_GELU=1``: erf GELU after the matmul instead of the tanh form
-  in the cuBLASLt epilogue.
+  in the cuBLASLt epilogue;
+- ``BERTH_CUDA_PACK=0``: large shapes stay padded (by default they run
+  packed: no padding token computed, engine/cuda_graphs.py).
 
 One batch: validate and write the wire bytes into a pinned slot, pad to the
 next captured batch size, enqueue (copy in, replay, copy out) on the
@@ -31,7 +33,14 @@ import numpy as np
 import torch
 
 from engine.backend import Backend, BackendError
-from engine.cuda_graphs import Buffers, GraphCache, io_views
+from engine.cuda_graphs import (
+    Buffers,
+    GraphCache,
+    Shape,
+    io_views,
+    packed_tokens,
+    token_ladder,
+)
 from engine.fused import FusedForward
 from engine.model import ServedModel
 from engine.pinned import Slot, SlotRing
@@ -76,6 +85,7 @@ class ModelRunner:
         self.vocab = served.encoder.config.vocab_size
         self.max_length = served.encoder.embeddings.max_length
         self.zero_copy = backend.input_mode == "zero-copy"
+        self.pack = backend.pack
         self.stream = backend.stream
         self.device = backend.torch_device
         self.graphs = GraphCache(self.step, backend.stream, backend.pool)
@@ -97,14 +107,20 @@ class ModelRunner:
         self.rows = rows
 
     def step(
-        self, io: torch.Tensor, out: torch.Tensor | None, batch: int, length: int
+        self,
+        io: torch.Tensor,
+        out: torch.Tensor | None,
+        batch: int,
+        length: int,
+        tokens: int | None = None,
     ) -> torch.Tensor:
         """What a graph runs: one batch's io buffer -> float32 [B, width], into
-        out when given (zero-copy: the mapped pinned output)."""
+        out when given (zero-copy: the mapped pinned output); packed into
+        ``tokens`` rows when given."""
         if self.zero_copy:
             io = io.to(torch.int64)  # one coalesced read of the mapped host buffer
         ids, lengths = io_views(io, batch, length)
-        result = self.forward(ids, lengths)
+        result = self.forward(ids, lengths, tokens)
         if out is None:
             return result
         target = out[: batch * self.width].view(batch, self.width)
@@ -118,10 +134,16 @@ class ModelRunner:
             buffers = [(slot.io_cuda, slot.out_cuda) for slot in self.ring.slots]
         else:
             buffers = [(self.device_io, None)]
+        graphs: list[Shape] = []
         with torch.inference_mode(), torch.cuda.stream(self.stream):
             for batch, length in fits:  # the faster attention kernel per shape
-                self.forward.choose_attention(batch, length)
-            self.graphs.capture(buffers, fits)
+                ladder: list[int | None] = []
+                ladder += token_ladder(batch, length) if self.pack else []
+                self.forward.choose_attention(batch, length, packed=bool(ladder))
+                if not self.forward.packs(batch, length):
+                    ladder = []
+                graphs += [(batch, length, t) for t in ladder or [None]]
+            self.graphs.capture(buffers, graphs)
 
     def submit(
         self, ids: np.ndarray, lengths: np.ndarray, rows: int, length: int
@@ -156,6 +178,10 @@ class ModelRunner:
     ) -> None:
         # 3. The wire bytes into pinned memory: ids, then lengths (0 for padding).
         batch = padded or rows
+        packed = None
+        if padded is not None:  # the graph with the fewest tokens that holds these
+            needed = packed_tokens(lengths, padded)
+            packed = self.graphs.tokens_for(padded, length, needed)
         tokens = batch * length
         slot.io[: rows * length] = ids
         slot.io[rows * length : tokens] = 0
@@ -167,7 +193,7 @@ class ModelRunner:
         with torch.cuda.stream(self.stream):
             if padded is not None and self.zero_copy:  # the graph does all three
                 compute.record()
-                self.graphs.replay(index, batch, length)
+                self.graphs.replay(index, batch, length, packed)
                 copied.record()
                 return
             copy_in.record()
@@ -178,7 +204,7 @@ class ModelRunner:
                 )
             compute.record()
             if padded is not None:
-                output = self.graphs.replay(0, batch, length)
+                output = self.graphs.replay(0, batch, length, packed)
             else:  # a shape with no graph: eager, same kernels
                 target = slot.out_cuda if self.zero_copy else None
                 with torch.inference_mode():
@@ -235,6 +261,7 @@ class CudaBackend(TorchBackend):
         dtype: torch.dtype | None = None,
         input_mode: str | None = None,
         gelu_epilogue: bool | None = None,
+        pack: bool | None = None,
     ) -> None:
         dtype_name = os.environ.get("BERTH_CUDA_DTYPE", "float16")
         if dtype is None and dtype_name not in DTYPES:
@@ -254,6 +281,9 @@ class CudaBackend(TorchBackend):
         if gelu_epilogue is None:
             gelu_epilogue = os.environ.get("BERTH_EXACT_GELU", "") not in ("1", "true")
         self.gelu_epilogue = gelu_epilogue
+        if pack is None:
+            pack = os.environ.get("BERTH_CUDA_PACK", "1") not in ("0", "false")
+        self.pack = pack
         torch.cuda.set_device(self.torch_device)
         self.stream = torch.cuda.Stream(self.torch_device)
         self.pool = torch.cuda.graph_pool_handle()

@@ -5,6 +5,11 @@ The batcher only sends bucket lengths and batch sizes up to
 sizes the engine captures (a ladder of powers of two, capped there), and a
 batch is padded up to the next captured size with zero-length rows.
 
+Large shapes (B * L >= PACK_MIN_TOKENS) are captured packed instead: the
+rows' tokens laid end to end, so no padding token is computed, with a graph
+per token count on a ladder (:func:`token_ladder`); a batch runs in the
+smallest one that holds its tokens (each row counts at least 1).
+
 Graphs are captured largest first into one memory pool shared by every
 graph of the backend (replays never overlap: one stream runs them all),
 each after one eager warm-up of its shape (Triton compiles, cuBLAS picks its
@@ -26,10 +31,17 @@ import torch
 log = logging.getLogger("berth.engine")
 
 BATCH_LADDER = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Shapes of at least this many tokens run packed (below it the GPU is not
+# busy enough for padding to cost much), in token counts from half the shape
+# up, in steps of B*L/16 (at least PACK_STEP_MIN).
+PACK_MIN_TOKENS = 4096
+PACK_STEP_MIN = 1024
 
-# (io [B*L + B] int32, output buffer or None, batch, length) -> float32 [B, width]
-Step = Callable[[torch.Tensor, torch.Tensor | None, int, int], torch.Tensor]
+# (io [B*L + B] int32, output buffer or None, batch, length, packed tokens or
+# None) -> float32 [B, width]
+Step = Callable[[torch.Tensor, torch.Tensor | None, int, int, int | None], torch.Tensor]
 Buffers = tuple[torch.Tensor, torch.Tensor | None]  # (io, output) of one graph
+Shape = tuple[int, int, int | None]  # (batch, length, packed tokens or None)
 
 
 def bucket_shapes(
@@ -43,6 +55,24 @@ def bucket_shapes(
         sizes = {size for size in BATCH_LADDER if size < cap} | {cap}
         shapes += [(size, length) for size in sorted(sizes)]
     return shapes
+
+
+def token_ladder(batch: int, length: int) -> list[int]:
+    """Packed token counts to capture for a shape, largest last; [] when the
+    shape stays padded."""
+    full = batch * length
+    if full < PACK_MIN_TOKENS:
+        return []
+    step = max(PACK_STEP_MIN, full // 16)
+    first = -(-(full // 2) // step) * step
+    return sorted({*range(first, full, step), full})
+
+
+def packed_tokens(lengths: Iterable[int], rows: int) -> int:
+    """Tokens a packed batch of these lengths needs, padded to rows rows:
+    every row holds at least one (an empty row still gets a [PAD])."""
+    real = [max(1, int(n)) for n in lengths]
+    return sum(real) + rows - len(real)
 
 
 def io_views(
@@ -62,33 +92,45 @@ class Captured:
 
 
 class GraphCache:
-    """The CUDA graphs of one model, by (input buffer, batch, length)."""
+    """The CUDA graphs of one model, by (input buffer, batch, length, tokens)."""
 
     def __init__(self, step: Step, stream: torch.cuda.Stream, pool: Any) -> None:
         self.step = step
         self.stream = stream
         self.pool = pool
-        self._graphs: dict[tuple[int, int, int], Captured] = {}
+        self._graphs: dict[tuple[int, int, int, int | None], Captured] = {}
         self._sizes: dict[int, list[int]] = {}  # length -> captured batch sizes
+        # (batch, length) -> packed token counts, ascending ([] : padded)
+        self._tokens: dict[tuple[int, int], list[int]] = {}
 
     def __len__(self) -> int:
         return len(self._graphs)
 
-    def capture(self, buffers: list[Buffers], shapes: list[tuple[int, int]]) -> None:
+    def capture(self, buffers: list[Buffers], shapes: list[Shape]) -> None:
         """Capture every shape for every (io, output) pair, largest shape first."""
-        ordered = sorted(set(shapes), key=lambda s: (s[0] * s[1], s[0]), reverse=True)
+        ordered = sorted(
+            set(shapes),
+            key=lambda s: (s[2] or s[0] * s[1], s[0] * s[1], s[0]),
+            reverse=True,
+        )
         with torch.cuda.stream(self.stream):
-            for batch, length in ordered:
+            for batch, length, tokens in ordered:
                 size = batch * (length + 1)
                 io, out = buffers[0]
-                self.step(io[:size], out, batch, length)  # warm-up, eager
+                self.step(io[:size], out, batch, length, tokens)  # warm-up, eager
                 self.stream.synchronize()
                 for index, (io, out) in enumerate(buffers):
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-                        output = self.step(io[:size], out, batch, length)
-                    self._graphs[(index, batch, length)] = Captured(graph, output)
-                bisect.insort(self._sizes.setdefault(length, []), batch)
+                        output = self.step(io[:size], out, batch, length, tokens)
+                    key = (index, batch, length, tokens)
+                    self._graphs[key] = Captured(graph, output)
+                sizes = self._sizes.setdefault(length, [])
+                if batch not in sizes:
+                    bisect.insort(sizes, batch)
+                counts = self._tokens.setdefault((batch, length), [])
+                if tokens is not None:
+                    bisect.insort(counts, tokens)
 
     def padded_batch(self, batch: int, length: int) -> int | None:
         """The smallest captured batch size >= batch for length, or None."""
@@ -96,9 +138,22 @@ class GraphCache:
         at = bisect.bisect_left(sizes, batch)
         return sizes[at] if at < len(sizes) else None
 
-    def replay(self, buffer: int, batch: int, length: int) -> torch.Tensor:
+    def tokens_for(self, batch: int, length: int, needed: int) -> int | None:
+        """The smallest packed graph of a captured shape that holds ``needed``
+        tokens; None where the shape runs padded."""
+        counts = self._tokens.get((batch, length), [])
+        at = bisect.bisect_left(counts, needed)
+        if at == len(counts):
+            if counts:
+                raise ValueError(f"{needed} tokens do not fit a {batch}x{length} batch")
+            return None
+        return counts[at]
+
+    def replay(
+        self, buffer: int, batch: int, length: int, tokens: int | None = None
+    ) -> torch.Tensor:
         """Run a captured shape on the current stream; returns its static output."""
-        captured = self._graphs[(buffer, batch, length)]
+        captured = self._graphs[(buffer, batch, length, tokens)]
         captured.graph.replay()
         return captured.output
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from engine import kernels
 from engine.encoder import ACTIVATIONS, EncoderLayer, key_padding_mask
-from engine.heads import MeanPooling
+from engine.heads import ClsPooling, MeanPooling
 from engine.kernels import add_layer_norm, mean_pool
 from engine.model import ServedModel
 
@@ -91,8 +91,15 @@ class FusedForward:
         kinds.append("sdpa")
         return [forced] if forced in kinds else kinds[:-1] or kinds
 
-    def __call__(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """ids [B, L], lengths [B] (any int dtype, on the device) -> [B, width]."""
+    def __call__(
+        self, ids: torch.Tensor, lengths: torch.Tensor, tokens: int | None = None
+    ) -> torch.Tensor:
+        """ids [B, L], lengths [B] (any int dtype, on the device) -> [B, width].
+
+        With ``tokens``, the rows are packed first: row b's max(lengths[b], 1)
+        tokens follow row b - 1's, and every matmul, LayerNorm and attention
+        runs on ``tokens`` rows (at least the rows' total; see :meth:`packs`)
+        instead of B * L, padding computed for none."""
         batch, length = ids.shape
         emb = self.encoder.embeddings
         if length > emb.max_length:
@@ -100,8 +107,10 @@ class FusedForward:
                 f"sequence length {length} is over the model's {emb.max_length} "
                 "positions"
             )
-        x = kernels.embed_layer_norm(emb, ids)
         kind = self.chosen.get((batch, length), self.kinds[0])
+        if tokens is not None:
+            return self._packed(ids, lengths, tokens, kind)
+        x = kernels.embed_layer_norm(emb, ids)
         keys = self._keys(kind, lengths, batch, length)
         for layer in self.layers:
             x = self._layer(layer, x, batch, length, keys)
@@ -113,23 +122,58 @@ class FusedForward:
         )
         return self.served.post(pooled)
 
-    def choose_attention(self, batch: int, length: int) -> str:
+    def packs(self, batch: int, length: int) -> bool:
+        """Whether this shape can run packed: its attention kernel takes row
+        starts (flash varlen, berth's Triton kernel) and the pooling is
+        mean or CLS."""
+        kind = self.chosen.get((batch, length), self.kinds[0])
+        pooling = self.mean or isinstance(self.served.pooling, ClsPooling)
+        return kind in ("flash", "triton") and pooling
+
+    def _packed(
+        self, ids: torch.Tensor, lengths: torch.Tensor, tokens: int, kind: str
+    ) -> torch.Tensor:
+        batch, length = ids.shape
+        if not self.packs(batch, length):
+            raise ValueError(f"attention {kind!r} cannot run packed rows")
+        used = lengths.clamp(min=1).to(torch.int32)
+        starts = F.pad(used.cumsum(0, dtype=torch.int32), (1, 0))
+        x = kernels.embed_packed(self.encoder.embeddings, ids, used, starts, tokens)
+        keys = (kind, (used, starts), True)
+        for layer in self.layers:
+            x = self._layer(layer, x, batch, length, keys)
+        if self.mean:
+            pooled = mean_pool(x, lengths, starts)
+        else:  # CLS: each row's first token
+            pooled = x[starts[:-1].long()].float()
+        return self.served.post(pooled)
+
+    def choose_attention(self, batch: int, length: int, packed: bool = False) -> str:
         """The faster attention kernel for this shape, timed on the current stream
-        (random inputs, lengths in (L/2, L]); remembered for the graphs."""
+        (random inputs, lengths in (L/2, L]; rows packed as the graph will run
+        them when ``packed``); remembered for the graphs."""
         if len(self.kinds) == 1:
             self.chosen[(batch, length)] = self.kinds[0]
             return self.kinds[0]
         weight = self.encoder.embeddings.word.weight
-        qkv = torch.randn(
-            batch * length, 3 * self.heads * self.head_dim,
-            device=weight.device, dtype=weight.dtype,
-        )  # fmt: skip
         lengths = torch.randint(
             length // 2 + 1, length + 1, (batch,), device=weight.device
         )
+        used = lengths.to(torch.int32)
+        tokens = int(used.sum()) if packed else batch * length
+        qkv = torch.randn(
+            tokens, 3 * self.heads * self.head_dim,
+            device=weight.device, dtype=weight.dtype,
+        )  # fmt: skip
         timings = {}
         for kind in self.kinds:
             keys = self._keys(kind, lengths, batch, length)
+            if packed and kind in ("flash", "triton"):
+                keys = (
+                    kind,
+                    (used, F.pad(used.cumsum(0, dtype=torch.int32), (1, 0))),
+                    True,
+                )
             try:
                 timings[kind] = _time(
                     lambda keys=keys: self._attend(qkv, batch, length, keys)
@@ -142,12 +186,13 @@ class FusedForward:
 
     def _keys(
         self, kind: str, lengths: torch.Tensor, batch: int, length: int
-    ) -> tuple[str, Any]:
-        """(kind, what that attention kernel needs to cut keys at each length)."""
+    ) -> tuple[str, Any, bool]:
+        """(kind, what that attention kernel needs to cut keys at each length,
+        whether the rows are packed)."""
         if kind == "sdpa":
-            return kind, key_padding_mask(lengths, length)
+            return kind, key_padding_mask(lengths, length), False
         used = lengths.clamp(min=1).to(torch.int32)
-        return kind, (used, self._row_starts(batch, length, lengths.device))
+        return kind, (used, self._row_starts(batch, length, lengths.device)), False
 
     def _layer(
         self,
@@ -155,7 +200,7 @@ class FusedForward:
         x: torch.Tensor,
         batch: int,
         length: int,
-        keys: tuple[str, Any],
+        keys: tuple[str, Any, bool],
     ) -> torch.Tensor:
         attention = layer.attention
         qkv = F.linear(x, attention.qkv.weight, attention.qkv.bias)
@@ -167,18 +212,21 @@ class FusedForward:
         return add_layer_norm(out, x, layer.norm2.weight, layer.norm2.bias, self.eps)
 
     def _attend(
-        self, qkv: torch.Tensor, batch: int, length: int, keys: tuple[str, Any]
+        self, qkv: torch.Tensor, batch: int, length: int, keys: tuple[str, Any, bool]
     ) -> torch.Tensor:
-        tokens = batch * length
-        kind, cut = keys
+        tokens = qkv.shape[0]
+        kind, cut, packed = keys
         if kind == "triton":
-            return kernels.attention(qkv, cut[0], batch, length, self.heads)
+            used, starts = cut
+            return kernels.attention(
+                qkv, used, batch, length, self.heads, starts=starts, packed=packed
+            )
         if kind == "flash":
             used, starts = cut
             q, k, v = qkv.view(tokens, 3, self.heads, self.head_dim).unbind(1)
             out = torch.ops.aten._flash_attention_forward(
                 q, k, v, starts, starts, length, length, 0.0, False, False,
-                seqused_k=used,
+                seqused_k=None if packed else used,
             )[0]  # fmt: skip
             return out.reshape(tokens, -1)
         shaped = qkv.view(batch, length, 3, self.heads, self.head_dim)
@@ -210,14 +258,19 @@ class FusedForward:
         return self._starts[key]
 
 
-def _time(fn: Any, calls: int = 5) -> float:
-    """Milliseconds per call on the current stream, after one warm-up call."""
+def _time(fn: Any, calls: int = 10, rounds: int = 3) -> float:
+    """Milliseconds per call on the current stream: the best of a few rounds
+    of back-to-back calls after a warm-up (one round of five was noisy enough
+    to pick the slower kernel on the H200)."""
     fn()
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / calls
+    best = float("inf")
+    for _ in range(rounds):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / calls)
+    return best

@@ -4,7 +4,12 @@
 - ``embed_layer_norm``: word + position + type-0 embeddings, then LayerNorm;
 - ``mean_pool``: the float32 mean of each row's real tokens;
 - ``attention``: softmax(QK^T / sqrt(d)) V straight from the fused QKV
-  projection, keys cut at each row's length, key blocks past it skipped.
+  projection, keys cut at each row's length, key blocks past it skipped;
+- ``linear``: x W^T + b (GELU or ReLU after it) for few tokens, where
+  cuBLAS's tiles leave most SMs idle; with ``split`` > 1 the K range is cut
+  into slices whose float32 partial products ``add_layer_norm_partials``
+  sums, with the bias and the residual, before its LayerNorm (no separate
+  split-K reduction, no memset).
 
 Without Triton (the CPU build of torch) or off the GPU each falls back to
 torch ops, so the module imports and computes everywhere; with
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +37,9 @@ except ImportError:  # the CPU build of torch comes without Triton
 
 # Rows per add + LayerNorm program on large batches (benchmarks/engine.py probes).
 LN_ROWS = 4
+
+# ``linear``'s activations (a constexpr of the kernel).
+ACT_NONE, ACT_GELU_TANH, ACT_GELU_ERF, ACT_RELU = 0, 1, 2, 3
 
 
 def use_triton(x: torch.Tensor) -> bool:
@@ -87,8 +96,35 @@ if triton is not None:
         tl.store(out_ptr + row * n_cols + cols, y, mask=keep)
 
     @triton.jit
+    def _embed_packed_kernel(  # type: ignore[no-untyped-def]
+        ids_ptr, len_ptr, start_ptr, word_ptr, pos_ptr, type_ptr, w_ptr, b_ptr,
+        out_ptr, length, n_cols, eps, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        # Program p: token p % L of row p // L, stored at its row's start + p % L
+        # when inside the row (lengths >= 1 here); nothing otherwise.
+        row = tl.program_id(0) // length
+        position = tl.program_id(0) % length
+        if position >= tl.load(len_ptr + row):
+            return
+        token = tl.load(ids_ptr + tl.program_id(0).to(tl.int64)).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        keep = cols < n_cols
+        x = tl.load(word_ptr + token * n_cols + cols, mask=keep, other=0.0)
+        x = x.to(tl.float32)
+        x += tl.load(pos_ptr + position * n_cols + cols, mask=keep, other=0.0)
+        x += tl.load(type_ptr + cols, mask=keep, other=0.0)
+        mean = tl.sum(x, axis=0) / n_cols
+        diff = tl.where(keep, x - mean, 0.0)
+        rstd = tl.rsqrt(tl.sum(diff * diff, axis=0) / n_cols + eps)
+        w = tl.load(w_ptr + cols, mask=keep, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + cols, mask=keep, other=0.0).to(tl.float32)
+        y = (diff * rstd * w + b).to(out_ptr.dtype.element_ty)
+        at = tl.load(start_ptr + row).to(tl.int64) + position
+        tl.store(out_ptr + at * n_cols + cols, y, mask=keep)
+
+    @triton.jit
     def _mean_pool_kernel(  # type: ignore[no-untyped-def]
-        h_ptr, len_ptr, out_ptr, length, n_cols,
+        h_ptr, len_ptr, start_ptr, out_ptr, n_cols,
         BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0).to(tl.int64)
@@ -96,7 +132,7 @@ if triton is not None:
         keep = cols < n_cols
         real = tl.load(len_ptr + row).to(tl.int32)
         steps = tl.arange(0, BLOCK_L)
-        base = h_ptr + row * length * n_cols
+        base = h_ptr + tl.load(start_ptr + row).to(tl.int64) * n_cols
         total = tl.zeros([BLOCK_H], dtype=tl.float32)
         for start in range(0, real, BLOCK_L):
             tokens = start + steps
@@ -108,22 +144,28 @@ if triton is not None:
 
     @triton.jit
     def _attention_kernel(  # type: ignore[no-untyped-def]
-        qkv_ptr, len_ptr, out_ptr, length, heads, scale,
+        qkv_ptr, len_ptr, start_ptr, out_ptr, length, heads, scale,
         HEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        PACKED: tl.constexpr,
     ):  # fmt: skip
-        # One program: BLOCK_M queries of one (row, head); qkv is [B*L, 3, heads,
-        # HEAD] (the QKV projection's output), out [B*L, heads, HEAD].
+        # One program: BLOCK_M queries of one (row, head); qkv is [tokens, 3,
+        # heads, HEAD] (the QKV projection's output), out [tokens, heads, HEAD];
+        # row b's tokens start at start_ptr[b]. Padded rows (B x L) have L
+        # queries each; packed rows only their own (the rest is not computed).
         row = tl.program_id(1) // heads
         head = tl.program_id(1) % heads
         hidden = heads * HEAD
         keys = tl.load(len_ptr + row)  # >= 1
+        rows_queries = keys if PACKED else length
+        if tl.program_id(0) * BLOCK_M >= rows_queries:
+            return
         queries = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         dims = tl.arange(0, HEAD)
-        first = row.to(tl.int64) * length
+        first = tl.load(start_ptr + row).to(tl.int64)
         base = qkv_ptr + first * 3 * hidden + head * HEAD
         q = tl.load(
             base + queries[:, None] * 3 * hidden + dims[None, :],
-            mask=queries[:, None] < length,
+            mask=queries[:, None] < rows_queries,
             other=0.0,
         )
         best = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -146,7 +188,70 @@ if triton is not None:
         out = out_ptr + first * hidden + head * HEAD
         result = (acc / total[:, None]).to(out_ptr.dtype.element_ty)
         where_out = out + queries[:, None] * hidden + dims[None, :]
-        tl.store(where_out, result, mask=queries[:, None] < length)
+        tl.store(where_out, result, mask=queries[:, None] < rows_queries)
+
+    @triton.jit
+    def _linear_kernel(  # type: ignore[no-untyped-def]
+        x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, k_slice,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        ACT: tl.constexpr, SPLIT: tl.constexpr,
+    ):  # fmt: skip
+        # out [M, N] = act(x [M, K] @ w [N, K]^T + b); with SPLIT > 1, program
+        # (m, n, s) writes the float32 partial of K slice s to out [s, M, N].
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        inner = tl.arange(0, BLOCK_K)
+        first = tl.program_id(2) * k_slice
+        x_at = x_ptr + rows[:, None].to(tl.int64) * K + (first + inner)[None, :]
+        w_at = w_ptr + cols[None, :].to(tl.int64) * K + (first + inner)[:, None]
+        row_in, col_in = rows[:, None] < M, cols[None, :] < N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for _ in range(0, k_slice, BLOCK_K):  # K % (SPLIT * BLOCK_K) == 0
+            a = tl.load(x_at, mask=row_in, other=0.0)
+            b = tl.load(w_at, mask=col_in, other=0.0)
+            acc = tl.dot(a, b, acc)
+            x_at += BLOCK_K
+            w_at += BLOCK_K
+        keep = row_in & col_in
+        where = rows[:, None].to(tl.int64) * N + cols[None, :]
+        if SPLIT > 1:
+            part = out_ptr + tl.program_id(2).to(tl.int64) * M * N
+            tl.store(part + where, acc, mask=keep)
+        else:
+            acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[
+                None, :
+            ]
+            if ACT == 1:  # GELU, tanh form: x * sigmoid(2 * sqrt(2/pi) * (x + c x^3))
+                inner_x = 1.5957691216057308 * (acc + 0.044715 * acc * acc * acc)
+                acc = acc / (1.0 + tl.exp(-inner_x))
+            elif ACT == 2:  # GELU, erf form
+                acc = 0.5 * acc * (1.0 + tl.erf(acc * 0.7071067811865476))
+            elif ACT == 3:
+                acc = tl.maximum(acc, 0.0)
+            tl.store(out_ptr + where, acc.to(out_ptr.dtype.element_ty), mask=keep)
+
+    @triton.jit
+    def _partials_layer_norm_kernel(  # type: ignore[no-untyped-def]
+        p_ptr, bias_ptr, r_ptr, w_ptr, b_ptr, out_ptr, n_rows, n_cols, eps,
+        SPLIT: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, BLOCK)
+        keep = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+        offsets = rows[:, None] * n_cols + cols[None, :]
+        x = tl.load(r_ptr + offsets, mask=keep, other=0.0).to(tl.float32)
+        x += tl.load(bias_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[
+            None, :
+        ]
+        for s in tl.static_range(SPLIT):
+            x += tl.load(p_ptr + s * n_rows * n_cols + offsets, mask=keep, other=0.0)
+        mean = tl.sum(x, axis=1) / n_cols
+        diff = tl.where(keep, x - mean[:, None], 0.0)
+        rstd = tl.rsqrt(tl.sum(diff * diff, axis=1) / n_cols + eps)
+        w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        y = diff * rstd[:, None] * w[None, :] + b[None, :]
+        tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=keep)
 
 
 def add_layer_norm(
@@ -188,37 +293,199 @@ def embed_layer_norm(emb: Embeddings, ids: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def mean_pool(hidden: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """float32 [B, H]: the mean of each row's first ``lengths`` states (0 -> zeros)."""
-    if not use_triton(hidden):
-        return MeanPooling()(hidden, lengths)
-    batch, length, cols = hidden.shape
+def embed_packed(
+    emb: Embeddings,
+    ids: torch.Tensor,
+    lengths: torch.Tensor,
+    starts: torch.Tensor,
+    tokens: int,
+) -> torch.Tensor:
+    """[tokens, H]: row b's first lengths[b] embeddings at starts[b] onwards, for
+    ids [B, L] and lengths >= 1; rows past the last row's end are not written."""
+    batch, length = ids.shape
+    cols = emb.word.weight.shape[1]
+    out = torch.empty(tokens, cols, dtype=emb.word.weight.dtype, device=ids.device)
+    if not use_triton(emb.word.weight):
+        padded = emb(ids).flatten(0, 1)
+        at = torch.arange(length, device=ids.device)
+        inside = (at[None, :] < lengths[:, None]).flatten()
+        where = (starts[:-1, None].long() + at[None, :]).flatten()[inside]
+        out[where] = padded[inside]
+        return out
+    block = triton.next_power_of_2(cols)
+    _embed_packed_kernel[(ids.numel(),)](
+        ids, lengths, starts, emb.word.weight, emb.position.weight[emb.offset :],
+        emb.token_type, emb.norm.weight, emb.norm.bias, out, length, cols,
+        emb.norm.eps, BLOCK=block, num_warps=_warps(block),
+    )  # fmt: skip
+    return out
+
+
+def mean_pool(
+    hidden: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor | None = None
+) -> torch.Tensor:
+    """float32 [B, H]: the mean of each row's first ``lengths`` states (0 -> zeros).
+
+    hidden is [B, L, H], or packed [tokens, H] with row b from ``starts[b]``."""
+    if starts is None:
+        batch, length, cols = hidden.shape
+        if not use_triton(hidden):
+            return MeanPooling()(hidden, lengths)
+        starts = torch.arange(
+            0, batch * length, length, dtype=torch.int32, device=hidden.device
+        )
+    else:
+        batch, cols = lengths.shape[0], hidden.shape[-1]
+        if not use_triton(hidden):
+            at = torch.arange(int(lengths.max().clamp(min=1)), device=hidden.device)
+            where = (starts[:-1, None].long() + at[None, :]).clamp(max=len(hidden) - 1)
+            inside = (at[None, :] < lengths[:, None])[..., None]
+            rows = torch.where(inside, hidden[where], 0)  # not 0 * whatever is there
+            return MeanPooling()(rows, lengths)
     out = torch.empty(batch, cols, dtype=torch.float32, device=hidden.device)
     grid = (batch, triton.cdiv(cols, 128))  # rows x column blocks: many programs
     _mean_pool_kernel[grid](
-        hidden, lengths, out, length, cols, BLOCK_L=32, BLOCK_H=128, num_warps=4
+        hidden, lengths, starts, out, cols, BLOCK_L=32, BLOCK_H=128, num_warps=4
     )
     return out
 
 
 def attention(
-    qkv: torch.Tensor, lengths: torch.Tensor, batch: int, length: int, heads: int
+    qkv: torch.Tensor,
+    lengths: torch.Tensor,
+    batch: int,
+    length: int,
+    heads: int,
+    block_m: int | None = None,
+    starts: torch.Tensor | None = None,
+    packed: bool = False,
 ) -> torch.Tensor:
-    """[B*L, H] attention output from qkv [B*L, 3H]; lengths int32 [B], >= 1."""
+    """Attention output [tokens, H] from qkv [tokens, 3H]; lengths int32 [B] >= 1.
+
+    Row b's tokens start at ``starts[b]`` (int32 [B + 1]; default b * L). Padded
+    (tokens = B * L): every one of a row's L queries is computed, keys cut at
+    its length. ``packed``: rows follow each other (starts = the cumulative
+    lengths), only a row's own queries are computed, later tokens are not."""
     head = qkv.shape[1] // (3 * heads)
+    if starts is None:
+        if packed:
+            raise ValueError("packed rows need their starts")
+        starts = torch.arange(0, batch * length, length, device=qkv.device)
+        starts = starts.to(torch.int32)
+    out = torch.empty(qkv.shape[0], heads * head, dtype=qkv.dtype, device=qkv.device)
     if not use_triton(qkv):
-        shaped = qkv.view(batch, length, 3, heads, head).permute(2, 0, 3, 1, 4)
-        q, k, v = shaped.unbind(0)
-        keys = torch.arange(length, device=qkv.device)[None] < lengths[:, None]
-        context = F.scaled_dot_product_attention(q, k, v, attn_mask=keys[:, None, None])
-        return context.transpose(1, 2).reshape(batch * length, -1)
-    out = torch.empty(batch * length, heads * head, dtype=qkv.dtype, device=qkv.device)
-    # Short rows and small batches: smaller query blocks, more programs.
-    block_m = 128 if length >= 128 and batch * heads * length >= 128 * 264 else 64
+        return _attention_reference(qkv, lengths, starts, out, length, heads, packed)
+    block_m = block_m or 64  # benchmarks/small_gemm.py: 64 beat 16, 32, 128 or tied
     grid = (triton.cdiv(length, block_m), batch * heads)
     _attention_kernel[grid](
-        qkv, lengths, out, length, heads, math.log2(math.e) / math.sqrt(head),
-        HEAD=head, BLOCK_M=block_m, BLOCK_N=64, num_warps=4 if block_m == 64 else 8,
-        num_stages=2,
+        qkv, lengths, starts, out, length, heads, math.log2(math.e) / math.sqrt(head),
+        HEAD=head, BLOCK_M=block_m, BLOCK_N=64, num_warps=8 if block_m == 128 else 4,
+        num_stages=2, PACKED=packed,
+    )  # fmt: skip
+    return out
+
+
+def _attention_reference(
+    qkv: torch.Tensor,
+    lengths: torch.Tensor,
+    starts: torch.Tensor,
+    out: torch.Tensor,
+    length: int,
+    heads: int,
+    packed: bool,
+) -> torch.Tensor:
+    """SDPA row by row: what the kernel computes, slowly, on any device."""
+    head = qkv.shape[1] // (3 * heads)
+    for row in range(len(lengths)):
+        first, keys = int(starts[row]), int(lengths[row])
+        queries = keys if packed else length
+        rows = qkv[first : first + queries].view(queries, 3, heads, head)
+        q, k, v = rows.permute(1, 2, 0, 3)
+        context = F.scaled_dot_product_attention(q, k[:, :keys], v[:, :keys])
+        out[first : first + queries] = context.transpose(0, 1).reshape(queries, -1)
+    return out
+
+
+class LinearConfig(NamedTuple):
+    """Tiles of one ``linear`` launch: BLOCK_M x BLOCK_N outputs per program,
+    K in BLOCK_K steps, cut into ``split`` slices (float32 partials)."""
+
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 64
+    split: int = 1
+    warps: int = 4
+    stages: int = 3
+
+    def fits(self, k: int) -> bool:
+        return k % (self.split * self.block_k) == 0
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: int = ACT_NONE,
+    config: LinearConfig | None = None,
+) -> torch.Tensor:
+    """act(x W^T + b) for x [M, K], weight [N, K] (nn.Linear's layout).
+
+    With ``config.split`` > 1: float32 partial products [split, M, N], no bias,
+    no activation, for :func:`add_layer_norm_partials` to finish."""
+    config = config or LinearConfig()
+    rows, k = x.shape
+    n = weight.shape[0]
+    if config.split > 1 and activation != ACT_NONE:
+        raise ValueError("split-K partials take no activation")
+    if not use_triton(x) or not config.fits(k):
+        if config.split > 1:  # one "partial": the whole product
+            return (x.float() @ weight.float().t()).unsqueeze(0)
+        out = F.linear(x, weight, bias)
+        if activation == ACT_RELU:
+            return F.relu(out)
+        if activation in (ACT_GELU_TANH, ACT_GELU_ERF):
+            tanh = activation == ACT_GELU_TANH
+            return F.gelu(out, approximate="tanh" if tanh else "none")
+        return out
+    if config.split > 1:
+        out = torch.empty(config.split, rows, n, dtype=torch.float32, device=x.device)
+    else:
+        out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    grid = (
+        triton.cdiv(rows, config.block_m),
+        triton.cdiv(n, config.block_n),
+        config.split,
+    )
+    _linear_kernel[grid](
+        x, weight, weight if bias is None else bias, out, rows, n, k,
+        k // config.split,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        ACT=activation, SPLIT=config.split,
+        num_warps=config.warps, num_stages=config.stages,
+    )  # fmt: skip
+    return out
+
+
+def add_layer_norm_partials(
+    partials: torch.Tensor,
+    bias: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    ln_bias: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """LayerNorm(sum(partials) + bias + residual): the end of a split-K linear
+    [split, M, N] float32, the residual [M, N], out in the residual's dtype."""
+    if not use_triton(residual):
+        x = partials.sum(0) + bias.float() + residual.float()
+        y = F.layer_norm(x, x.shape[-1:], weight.float(), ln_bias.float(), eps)
+        return y.to(residual.dtype)
+    split, rows, cols = partials.shape
+    per = LN_ROWS if rows >= 2048 else 1
+    out = torch.empty_like(residual)
+    block = triton.next_power_of_2(cols)
+    _partials_layer_norm_kernel[(triton.cdiv(rows, per),)](
+        partials, bias, residual, weight, ln_bias, out, rows, cols, eps,
+        SPLIT=split, ROWS=per, BLOCK=block, num_warps=_warps(per * block),
     )  # fmt: skip
     return out

@@ -1,0 +1,76 @@
+"""Packed rows (no padding computed) give what padded rows give, on the CPU.
+
+The fused forward's packed path (engine/fused.py) with torch's fallbacks of
+berth's kernels (and, with ``TRITON_INTERPRET=1`` and Triton installed, the
+kernels themselves): same outputs as the padded path and as the plain
+ServedModel, for rows of every length including empty ones (batch padding)
+and with tokens to spare past the last row (a graph's token bucket). Those
+spare rows are never written (the GPU computes on whatever they hold, each
+row on its own, and pooling never reads them): numpy's overflow warnings on
+them under the interpreter are expected.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.cuda_graphs import PACK_MIN_TOKENS, packed_tokens, token_ladder
+from engine.fused import FusedForward
+from engine.torch_backend import TorchBackend
+
+LENGTHS = [9, 1, 0, 16, 5, 0, 12]
+
+
+def _batch(vocab: int, length: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(7)
+    ids = torch.randint(5, vocab, (len(LENGTHS), length), generator=generator)
+    lengths = torch.tensor(LENGTHS, dtype=torch.int32)
+    ids[torch.arange(length)[None, :] >= lengths[:, None]] = 0
+    return ids.to(torch.int32), lengths
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("model", ["minilm", "intent"])
+def test_packed_rows_equal_padded_rows(backend: TorchBackend, model: str) -> None:
+    served = backend.model(model)
+    forward = FusedForward(served)
+    ids, lengths = _batch(served.encoder.config.vocab_size)
+    shape = (len(LENGTHS), int(ids.shape[1]))
+    forward.chosen[shape] = "triton"  # a kernel that takes row starts
+    assert forward.packs(*shape)
+    needed = int(lengths.clamp(min=1).sum())
+    with torch.inference_mode():
+        padded = forward(ids, lengths)
+        plain = served(ids.long(), lengths)
+        for tokens in (needed, needed + 13):
+            packed = forward(ids, lengths, tokens)
+            assert packed.shape == padded.shape
+            torch.testing.assert_close(packed, padded, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(padded, plain, rtol=1e-4, atol=1e-5)
+
+
+def test_sdpa_with_a_mask_does_not_pack(backend: TorchBackend) -> None:
+    forward = FusedForward(backend.model("minilm"))
+    ids, lengths = _batch(100)
+    assert forward.kinds == ["sdpa"]  # off the GPU
+    assert not forward.packs(*ids.shape)
+    with pytest.raises(ValueError, match="cannot run packed rows"):
+        forward(ids, lengths, 64)
+
+
+def test_token_ladder() -> None:
+    assert token_ladder(8, 128) == []  # 1024 tokens: stays padded
+    assert token_ladder(128, 128) == [8192 + 1024 * i for i in range(9)]
+    full = 256 * 512
+    ladder = token_ladder(256, 512)
+    assert ladder[-1] == full and ladder[0] == full // 2 and len(ladder) == 9
+    for batch, length in ((32, 128), (170, 96), (256, 16), (3, 4096)):
+        ladder = token_ladder(batch, length)
+        assert ladder[-1] == batch * length >= PACK_MIN_TOKENS
+        assert ladder == sorted(set(ladder)) and ladder[0] >= batch * length // 2
+
+
+def test_packed_tokens_count_every_row() -> None:
+    assert packed_tokens([5, 0, 3], 3) == 9  # an empty row holds a [PAD]
+    assert packed_tokens([5, 0, 3], 8) == 14  # 5 padding rows, 1 token each
