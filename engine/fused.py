@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from engine import kernels
 from engine.encoder import ACTIVATIONS, EncoderLayer, key_padding_mask
 from engine.heads import ClsPooling, MeanPooling
-from engine.kernels import add_layer_norm, mean_pool
+from engine.kernels import add_layer_norm, add_layer_norm_partials, mean_pool
 from engine.model import ServedModel
 
 log = logging.getLogger("berth.engine")
@@ -76,6 +76,7 @@ class FusedForward:
         self.kinds = self._available(weight)
         self.chosen: dict[tuple[int, int], str] = {}  # (batch, length) -> kind
         self._starts: dict[tuple[int, int], torch.Tensor] = {}
+        self._plans: dict[int, dict[str, kernels.LinearConfig]] = {}  # by tokens
 
     def _available(self, weight: torch.Tensor) -> list[str]:
         forced = os.environ.get(ATTENTION_ENV, "auto")
@@ -203,13 +204,49 @@ class FusedForward:
         keys: tuple[str, Any, bool],
     ) -> torch.Tensor:
         attention = layer.attention
-        qkv = F.linear(x, attention.qkv.weight, attention.qkv.bias)
+        plan = self._plan(x.shape[0])
+        if "qkv" in plan:
+            qkv = kernels.linear(
+                x, attention.qkv.weight, attention.qkv.bias, config=plan["qkv"]
+            )
+        else:
+            qkv = F.linear(x, attention.qkv.weight, attention.qkv.bias)
         context = self._attend(qkv, batch, length, keys)
-        attended = F.linear(context, attention.out.weight, attention.out.bias)
-        x = add_layer_norm(attended, x, layer.norm1.weight, layer.norm1.bias, self.eps)
-        inner = self._ffn_in(layer, x)
-        out = F.linear(inner, layer.ffn_out.weight, layer.ffn_out.bias)
-        return add_layer_norm(out, x, layer.norm2.weight, layer.norm2.bias, self.eps)
+        x = self._project_norm(context, attention.out, x, layer.norm1, plan.get("out"))
+        inner = self._ffn_in(layer, x, plan.get("ffn_in"))
+        return self._project_norm(
+            inner, layer.ffn_out, x, layer.norm2, plan.get("ffn_out")
+        )
+
+    def _plan(self, tokens: int) -> dict[str, kernels.LinearConfig]:
+        """Which projections run berth's few-token GEMM at this many tokens."""
+        if tokens not in self._plans:
+            weight = self.encoder.embeddings.word.weight
+            config = self.encoder.config
+            self._plans[tokens] = kernels.small_linear_plan(
+                weight, tokens, config.hidden_size, config.intermediate_size
+            )
+        return self._plans[tokens]
+
+    def _project_norm(
+        self,
+        x: torch.Tensor,
+        linear: torch.nn.Linear,
+        residual: torch.Tensor,
+        norm: torch.nn.LayerNorm,
+        tiles: kernels.LinearConfig | None,
+    ) -> torch.Tensor:
+        """LayerNorm(x W^T + b + residual)."""
+        if tiles is None:
+            out = F.linear(x, linear.weight, linear.bias)
+        elif tiles.split > 1:  # float32 partials, summed by the LayerNorm kernel
+            part = kernels.linear(x, linear.weight, None, config=tiles)
+            return add_layer_norm_partials(
+                part, linear.bias, residual, norm.weight, norm.bias, self.eps
+            )
+        else:
+            out = kernels.linear(x, linear.weight, linear.bias, config=tiles)
+        return add_layer_norm(out, residual, norm.weight, norm.bias, self.eps)
 
     def _attend(
         self, qkv: torch.Tensor, batch: int, length: int, keys: tuple[str, Any, bool]
@@ -234,8 +271,21 @@ class FusedForward:
         context = F.scaled_dot_product_attention(q, k, v, attn_mask=cut)
         return context.transpose(1, 2).reshape(tokens, -1)
 
-    def _ffn_in(self, layer: EncoderLayer, x: torch.Tensor) -> torch.Tensor:
+    def _ffn_in(
+        self,
+        layer: EncoderLayer,
+        x: torch.Tensor,
+        tiles: kernels.LinearConfig | None = None,
+    ) -> torch.Tensor:
         linear = layer.ffn_in
+        if tiles is not None:
+            if self.activation == "relu":
+                act = kernels.ACT_RELU
+            else:  # the form the cuBLAS path computes (its epilogue: tanh)
+                tanh = self.gelu_epilogue and x.is_cuda
+                tanh = tanh or ACTIVATIONS[self.activation] == "tanh"
+                act = kernels.ACT_GELU_TANH if tanh else kernels.ACT_GELU_ERF
+            return kernels.linear(x, linear.weight, linear.bias, act, tiles)
         if self.activation == "relu":
             return torch._addmm_activation(
                 linear.bias, x, linear.weight.t(), use_gelu=False

@@ -489,3 +489,67 @@ def add_layer_norm_partials(
         SPLIT=split, ROWS=per, BLOCK=block, num_warps=_warps(per * block),
     )  # fmt: skip
     return out
+
+
+# Few-token tiles where ``linear`` beat cuBLAS by 5 % or more inside CUDA
+# graphs on the H200 (benchmarks/small_gemm.py, results/small_gemm_h200.json):
+# (projection, hidden size) -> [(up to this many tokens, tiles)], cuBLAS past
+# the last. Projections: qkv, out (+ residual + LayerNorm), ffn_in (+ GELU),
+# ffn_out (+ residual + LayerNorm). Measured on Hopper only: used there only.
+SMALL_LINEAR: dict[tuple[str, int], list[tuple[int, LinearConfig]]] = {
+    ("out", 768): [
+        (16, LinearConfig(16, 32, 64, 4)),
+        (32, LinearConfig(32, 32, 64, 4)),
+        (64, LinearConfig(64, 32, 64, 3)),
+        (128, LinearConfig(64, 32, 64, 2)),
+    ],
+    ("ffn_out", 768): [
+        (16, LinearConfig(16, 32, 64, 6)),
+        (64, LinearConfig(64, 32, 64, 4)),
+        (128, LinearConfig(128, 64, 64, 6, warps=8)),
+        (256, LinearConfig(128, 64, 64, 4, warps=8)),
+    ],
+    ("qkv", 384): [
+        (16, LinearConfig(16, 32, 64, 1)),
+        (128, LinearConfig(64, 32, 64, 1)),
+        (256, LinearConfig(64, 64, 64, 1)),
+    ],
+    ("out", 384): [
+        (32, LinearConfig(16, 32, 64, 3)),
+        (128, LinearConfig(64, 32, 64, 3)),
+        (256, LinearConfig(64, 32, 64, 2)),
+        (512, LinearConfig(64, 32, 64, 1)),
+    ],
+    ("ffn_in", 384): [
+        (32, LinearConfig(16, 32, 64, 1)),
+        (64, LinearConfig(32, 32, 64, 1)),
+        (128, LinearConfig(64, 32, 64, 1)),
+    ],
+    ("ffn_out", 384): [
+        (16, LinearConfig(16, 32, 64, 6)),
+        (64, LinearConfig(64, 32, 64, 6)),
+        (128, LinearConfig(64, 32, 64, 4)),
+        (256, LinearConfig(64, 64, 64, 4)),
+    ],
+}
+
+
+def small_linear_plan(
+    weight: torch.Tensor, tokens: int, hidden: int, inner: int
+) -> dict[str, LinearConfig]:
+    """projection -> tiles, for the projections ``linear`` runs faster than
+    cuBLAS at this many tokens (empty off Hopper, without Triton, or for
+    sizes never measured)."""
+    if not (use_triton(weight) and weight.is_cuda):
+        return {}
+    if torch.cuda.get_device_capability(weight.device) != (9, 0):
+        return {}
+    plan = {}
+    for name in ("qkv", "out", "ffn_in", "ffn_out"):
+        k = inner if name == "ffn_out" else hidden
+        for limit, config in SMALL_LINEAR.get((name, hidden), []):
+            if tokens <= limit:
+                if config.fits(k):
+                    plan[name] = config
+                break
+    return plan

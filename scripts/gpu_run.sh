@@ -62,7 +62,7 @@ if [[ " $STAGES " == *" bench "* ]]; then
     --format=csv -l 1 > "$OUT/smi.log" 2>&1 &
   smi=$!
   # shellcheck disable=SC2086
-  timeout 360 $PY benchmarks/engine.py --out "$OUT/engine_h200.json" ${BENCH_ARGS:-} \
+  timeout $((575 - SECONDS)) $PY benchmarks/engine.py --out "$OUT/engine_h200.json" ${BENCH_ARGS:-} \
     > "$OUT/engine_bench.log" 2>&1
   echo "engine benchmark: exit $?"
   kill "$smi"

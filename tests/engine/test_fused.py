@@ -1,4 +1,8 @@
-"""Packed rows (no padding computed) give what padded rows give, on the CPU.
+"""The fused forward's paths agree with each other on the CPU.
+
+Packed rows (no padding computed) give what padded rows give; the few-token
+GEMM plan (berth's Triton ``linear``, split-K partials summed in the
+LayerNorm) gives what cuBLAS's path gives.
 
 The fused forward's packed path (engine/fused.py) with torch's fallbacks of
 berth's kernels (and, with ``TRITON_INTERPRET=1`` and Triton installed, the
@@ -17,6 +21,7 @@ import torch
 
 from engine.cuda_graphs import PACK_MIN_TOKENS, packed_tokens, token_ladder
 from engine.fused import FusedForward
+from engine.kernels import LinearConfig, small_linear_plan
 from engine.torch_backend import TorchBackend
 
 LENGTHS = [9, 1, 0, 16, 5, 0, 12]
@@ -74,3 +79,29 @@ def test_token_ladder() -> None:
 def test_packed_tokens_count_every_row() -> None:
     assert packed_tokens([5, 0, 3], 3) == 9  # an empty row holds a [PAD]
     assert packed_tokens([5, 0, 3], 8) == 14  # 5 padding rows, 1 token each
+
+
+@pytest.mark.parametrize("split", [1, 2, 3])
+def test_few_token_gemm_plan_equals_cublas_path(
+    backend: TorchBackend, split: int
+) -> None:
+    served = backend.model("minilm")  # hidden 384, inner 1536
+    forward = FusedForward(served)
+    ids, lengths = _batch(served.encoder.config.vocab_size)
+    tokens = ids.numel()
+    with torch.inference_mode():
+        plain = forward(ids, lengths)
+        tiles = LinearConfig(16, 32, 64, split)
+        forward._plans[tokens] = {
+            "qkv": LinearConfig(16, 32, 64, 1),
+            "out": tiles,
+            "ffn_in": LinearConfig(32, 64, 64, 1),
+            "ffn_out": tiles,
+        }
+        planned = forward(ids, lengths)
+    torch.testing.assert_close(planned, plain, rtol=1e-4, atol=1e-5)
+
+
+def test_few_token_plan_is_empty_off_the_gpu(backend: TorchBackend) -> None:
+    weight = backend.model("minilm").encoder.embeddings.word.weight
+    assert small_linear_plan(weight, 128, 384, 1536) == {}
