@@ -47,7 +47,10 @@ class ModelEntry:
     labels: str | None = None  # classify: JSON list of label names
     buckets: list[int] = field(default_factory=lambda: list(DEFAULT_BUCKETS))
     max_tokens: int = MAX_TOKENS_CAP
-    backend: str = "torch"
+    # "auto": the measured-faster engine for the device (torch's fp16 CUDA
+    # graphs on a GPU, onnxruntime on the CPU; engine/backends_by_model.py),
+    # or a backend by name: torch, onnxruntime, tensorrt.
+    backend: str = "auto"
     # "none", "int8" (CPU torch, onnxruntime, TensorRT) or "fp8" (CUDA torch);
     # calibrated on engine/data/calibration_texts.txt when the model loads.
     quantize: str = "none"

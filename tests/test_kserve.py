@@ -64,7 +64,7 @@ def test_model_config_parses_in_the_stock_client(
 ) -> None:
     config = tc.get_model_config("intent").config
     assert config.name == "intent" and config.platform == "berth"
-    assert config.backend == "torch" and config.max_batch_size == 0
+    assert config.backend == "auto" and config.max_batch_size == 0  # the entry's
     assert [(i.name, i.data_type, list(i.dims)) for i in config.input] == [
         ("TEXT", 13, [-1])  # TYPE_STRING
     ]

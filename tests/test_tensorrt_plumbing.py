@@ -18,7 +18,11 @@ import pytest
 from batcher._core_py import check_config
 from engine import calibration
 from engine.backend import BackendError, create_backend
-from engine.backends_by_model import ModelRouter, create_model_router
+from engine.backends_by_model import (
+    ModelRouter,
+    create_model_router,
+    preferred_backend,
+)
 from engine.tensorrt_build import (
     CALIBRATION_BATCH,
     CALIBRATION_LENGTH,
@@ -236,3 +240,23 @@ def test_router_dispatches_by_model_and_fails_when_nothing_starts() -> None:
         router.width("z")
     with pytest.raises(BackendError, match="neither can the fallback"):
         create_model_router({"y": entries["y"]}, "broken", "cpu", factory)
+
+
+def test_auto_backend_is_the_measured_faster_one_for_the_device() -> None:
+    created: list[tuple[str, str]] = []
+
+    def factory(name: str, device: str) -> Any:
+        created.append((name, device))
+        return type("Fake", (), {"name": name, "device": device})()
+
+    plain, int8 = _entry("plain", "auto"), _entry("int8", "auto")
+    int8.quantize = "int8"
+    assert ModelEntry(name="x", task="embed", checkpoint="").backend == "auto"
+    assert preferred_backend(plain, "cpu") == "onnxruntime"
+    assert preferred_backend(int8, "cpu") == "torch"  # its INT8 agrees more
+    assert preferred_backend(plain, "cuda:0") == "torch"  # fp16 CUDA graphs
+    router = create_model_router(
+        {"plain": plain, "int8": int8}, "torch", "cpu", factory
+    )
+    assert router.chosen == {"plain": "onnxruntime", "int8": "torch"}
+    assert created == [("onnxruntime", "cpu"), ("torch", "cpu")]
