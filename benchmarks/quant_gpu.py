@@ -143,8 +143,18 @@ def variant_model(
     if variant == "bf16":
         return load_served_model(entry, device, torch.bfloat16)
     model = load_served_model(entry, device, torch.float32)
-    quant.quantize_fp8(model, calib)
+    quant.quantize_fp8(model, calib, **FP8_ACCURACY_VARIANTS[variant])
     return model
+
+
+# Accuracy variants of FP8: which input scales, which projections stay bf16.
+FP8_ACCURACY_VARIANTS: dict[str, dict[str, Any]] = {
+    "fp8": {},
+    "fp8 per-token": {"dynamic": True},
+    "fp8, ffn_out bf16": {"keep": frozenset({"ffn_out"})},
+    "fp8 per-token, ffn_out bf16": {"dynamic": True, "keep": frozenset({"ffn_out"})},
+    "fp8, qkv bf16": {"keep": frozenset({"qkv"})},
+}
 
 
 def accuracy(repo: Path, device: torch.device, result: dict[str, Any]) -> None:
@@ -171,7 +181,7 @@ def accuracy(repo: Path, device: torch.device, result: dict[str, Any]) -> None:
         refs[name] = run_batches(model, batches[name], device)
         del model
     table = {}
-    for variant in ("fp16", "bf16", "fp8"):
+    for variant in ("fp16", "bf16", *FP8_ACCURACY_VARIANTS):
         row: dict[str, Any] = {}
         try:
             emb = run_batches(
@@ -293,9 +303,9 @@ def speed(
     def fp16() -> ServedModel:
         return copy.deepcopy(base).half()
 
-    def fp8() -> ServedModel:
+    def fp8(dynamic: bool = False) -> ServedModel:
         model = copy.deepcopy(base)
-        quant.quantize_fp8(model, calib)
+        quant.quantize_fp8(model, calib, dynamic=dynamic)
         return model
 
     def compiled(make: Callable[[], ServedModel]) -> Callable[[], ServedModel]:
@@ -314,6 +324,8 @@ def speed(
     ]
     if not args.no_compile:
         variants.append(("fp8 compiled layers", compiled(fp8)))
+        per_token = compiled(lambda: fp8(dynamic=True))
+        variants.append(("fp8 per-token compiled layers", per_token))
     variants.append(("fp16 eager", fp16))
     if not args.no_compile:
         variants.append(("fp16 compiled layers", compiled(fp16)))

@@ -181,9 +181,16 @@ def quantize_e4m3(x: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
     return scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
-# What Fp8Linear quantizes its input with: eager (four kernels) unless
-# use_compiled_quantize() swapped in one fused Triton kernel.
+def quantize_rows_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 x, float32 scales [rows, 1]): each row's max |x| maps to 448."""
+    scales = x.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-6) / E4M3_MAX
+    return quantize_e4m3(x, 1.0 / scales), scales
+
+
+# What Fp8Linear quantizes its input with: eager (several kernels) unless
+# use_compiled_quantize() swapped in one fused Triton kernel each.
 _quantize_input = quantize_e4m3
+_quantize_rows = quantize_rows_e4m3
 
 
 def use_compiled_quantize() -> bool:
@@ -192,13 +199,14 @@ def use_compiled_quantize() -> bool:
     Each new input shape compiles once, at its first call: warm every shape
     up before capturing CUDA graphs. Returns whether the swap happened.
     """
-    global _quantize_input
+    global _quantize_input, _quantize_rows
     try:
         import triton  # noqa: F401
     except ImportError:
         log.info("fp8: no Triton, inputs are quantized by eager kernels")
         return False
     _quantize_input = torch.compile(quantize_e4m3, dynamic=None)
+    _quantize_rows = torch.compile(quantize_rows_e4m3, dynamic=None)
     return True
 
 
@@ -215,7 +223,9 @@ def fp8_supported(linear: nn.Linear) -> bool:
 
 
 class Fp8Linear(nn.Module):
-    """An nn.Linear as an FP8 e4m3 matmul: per-channel weight, static input scales."""
+    """An nn.Linear as an FP8 e4m3 matmul: per-channel weight scales; input
+    scales static (one per layer, calibrated) or, with ``dynamic`` (row-wise
+    only), one per token computed from the token's own max |x| at run time."""
 
     weight8: torch.Tensor
     weight_scale: torch.Tensor
@@ -230,8 +240,12 @@ class Fp8Linear(nn.Module):
         input_amax: float,
         rowwise: bool = True,
         out_dtype: torch.dtype = torch.bfloat16,
+        dynamic: bool = False,
     ) -> None:
         super().__init__()
+        if dynamic and not rowwise:
+            raise ValueError("per-token input scales need row-wise scaled products")
+        self.dynamic = dynamic
         if not fp8_supported(linear):
             raise ValueError(
                 f"FP8 needs in/out features that are multiples of 16, got "
@@ -263,10 +277,13 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        xq = _quantize_input(x2, self.input_inv_scale)
-        if self.rowwise:
-            # out[i, j] = (sum_k xq[i, k] w8[j, k]) * x_scale * w_scale[j] + b[j]
+        if self.dynamic:
+            xq, scale_a = _quantize_rows(x2)
+        else:
+            xq = _quantize_input(x2, self.input_inv_scale)
             scale_a = self.input_scale.expand(x2.shape[0], 1).contiguous()
+        if self.rowwise:
+            # out[i, j] = (sum_k xq[i, k] w8[j, k]) * x_scale[i] * w_scale[j] + b[j]
             out = torch._scaled_mm(
                 xq,
                 self.weight8.t(),
@@ -290,9 +307,10 @@ class Fp8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         mode = "rowwise" if self.rowwise else "tensorwise"
+        inputs = "per token" if self.dynamic else f"input_amax={self.input_amax:.4g}"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"{mode}, input_amax={self.input_amax:.4g}"
+            f"{mode}, {inputs}"
         )
 
 
@@ -361,12 +379,16 @@ def quantize_fp8(
     batches: Iterable[Batch],
     rowwise: bool | None = None,
     dtype: torch.dtype = torch.bfloat16,
+    dynamic: bool = False,
+    keep: frozenset[str] = frozenset(),
 ) -> int:
     """Calibrate on ``batches``, then swap the encoder's Linears for FP8 ones.
 
     In place. The encoder is first cast to ``dtype`` (bf16: row-wise FP8
-    products return bf16); ``rowwise=None`` probes the device. Layers whose
-    shape FP8 cannot take stay as they are. Returns how many were replaced.
+    products return bf16); ``rowwise=None`` probes the device; ``dynamic``
+    gives every token its own input scale (row-wise only); projections named
+    in ``keep`` (qkv, out, ffn_in, ffn_out) stay in ``dtype``, as do layers
+    whose shape FP8 cannot take. Returns how many were replaced.
     """
     encoder = getattr(model, "encoder", model)
     encoder.to(dtype)
@@ -377,15 +399,19 @@ def quantize_fp8(
     amax = {name: float(a.max()) for name, a in per_channel.items()}
     replaced = 0
     for name, linear in encoder_linears(model):
+        if name.rpartition(".")[2] in keep:
+            continue
         if not fp8_supported(linear):
             log.warning("fp8: %s kept in %s (shape not a multiple of 16)", name, dtype)
             continue
-        _replace(model, name, Fp8Linear(linear, amax[name], rowwise, dtype))
+        layer = Fp8Linear(linear, amax[name], rowwise, dtype, dynamic and rowwise)
+        _replace(model, name, layer)
         replaced += 1
     log.info(
-        "fp8: %d encoder linears now e4m3 (%s scales) on %s",
+        "fp8: %d encoder linears now e4m3 (%s scales, %s input scales) on %s",
         replaced,
         "row-wise" if rowwise else "tensor-wise",
+        "per-token" if dynamic and rowwise else "static",
         device,
     )
     return replaced

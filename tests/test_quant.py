@@ -114,6 +114,26 @@ def test_fp8_linear_matches_linear(rowwise: bool) -> None:
     assert fp8.weight_scale.shape == (1, 32)  # one per output channel
 
 
+def test_fp8_per_token_scales_keep_small_rows_precise() -> None:
+    """A token 1e5x larger than the rest ruins a static scale for the others
+    (they fall under e4m3's smallest steps); per-token scales do not care."""
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 32)
+    x = torch.randn(8, 64)
+    x[0] *= 1e5
+    amax = float(x.abs().max())
+    static = quant.Fp8Linear(linear, amax, True, torch.float32)
+    dynamic = quant.Fp8Linear(linear, amax, True, torch.float32, dynamic=True)
+    with torch.inference_mode():
+        want = linear(x)[1:]
+        err_static = (static(x)[1:] - want).abs().mean()
+        err_dynamic = (dynamic(x)[1:] - want).abs().mean()
+    assert _cos(dynamic(x), linear(x)).min() > 0.995
+    assert err_dynamic < 0.2 * err_static
+    with pytest.raises(ValueError, match="row-wise"):
+        quant.Fp8Linear(linear, amax, False, torch.float32, dynamic=True)
+
+
 def test_fp8_linear_refuses_shapes_scaled_mm_cannot_take() -> None:
     with pytest.raises(ValueError, match="multiples of 16"):
         quant.Fp8Linear(nn.Linear(24, 32), 1.0)
