@@ -88,6 +88,7 @@ def create_model_router(
         wanted = entry.backend or fallback
         if wanted == "auto":
             wanted = preferred_backend(entry, device)
+            log.info("model %s: backend auto is %s on %s", model, wanted, device)
         if start(wanted) is not None:
             chosen[model] = wanted
             continue

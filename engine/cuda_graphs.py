@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,7 @@ BATCH_LADDER = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # up, in steps of B*L/16 (at least PACK_STEP_MIN).
 PACK_MIN_TOKENS = 4096
 PACK_STEP_MIN = 1024
+PROGRESS_EVERY_S = 2.0
 
 # (io [B*L + B] int32, output buffer or None, batch, length, packed tokens or
 # None) -> float32 [B, width]
@@ -113,8 +115,19 @@ class GraphCache:
             key=lambda s: (s[2] or s[0] * s[1], s[0] * s[1], s[0]),
             reverse=True,
         )
+        began = last = time.monotonic()
         with torch.cuda.stream(self.stream):
-            for batch, length, tokens in ordered:
+            for done, (batch, length, tokens) in enumerate(ordered):
+                if (
+                    time.monotonic() - last > PROGRESS_EVERY_S
+                ):  # long captures show progress
+                    last = time.monotonic()
+                    log.info(
+                        "capturing CUDA graphs: %d of %d shapes done in %.1f s (now "
+                        "%dx%d%s)",
+                        done, len(ordered), last - began, batch, length,
+                        f", {tokens} tokens packed" if tokens else "",
+                    )  # fmt: skip
                 size = batch * (length + 1)
                 io, out = buffers[0]
                 self.step(io[:size], out, batch, length, tokens)  # warm-up, eager

@@ -1,0 +1,127 @@
+"""Where a single request's time goes at low load, hop by hop.
+
+Starts `berth serve` on loopback (tests/stack.py), sends single short texts
+one at a time (a pause between calls, so nothing queues), and reads the
+stack's own /metrics before and after: the per-stage means that the gateway,
+batcher and engine record, and each process's CPU time per request. What is
+left between the stages is the gRPC hops and the hand-offs around them.
+
+    python benchmarks/latency.py          # the default repository's minilm
+    python benchmarks/latency.py --model bert-base \
+        --model-repository build/e2e/bert-base   # scripts/gpu_run.sh builds it
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import grpc  # noqa: E402
+
+from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc  # noqa: E402
+from tests.stack import ROOT, Stack  # noqa: E402
+
+METRIC = re.compile(r"(berth_\w+_seconds)_(sum|count)\{([^}]*)\} (\S+)")
+
+
+def scrape(urls: list[str]) -> dict[tuple[str, str, str], float]:
+    """(metric, labels, sum|count) -> value, over every process's /metrics."""
+    out: dict[tuple[str, str, str], float] = {}
+    for url in urls:
+        try:
+            text = urllib.request.urlopen(url, timeout=5).read().decode()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if m := METRIC.match(line):
+                key = (m.group(1), m.group(3), m.group(2))
+                out[key] = out.get(key, 0.0) + float(m.group(4))
+    return out
+
+
+def cpu_seconds(parent: int) -> dict[str, float]:
+    """CPU seconds so far of each child of ``parent``, by role."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(stat[1]) != parent:
+                continue
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, IndexError, ValueError):
+            continue
+        role = next(
+            (r for r in ("gateway", "batcher", "engine") if f"-m {r}" in cmd), "?"
+        )
+        out[role] = out.get(role, 0.0) + (int(stat[11]) + int(stat[12])) / tick
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--model-repository", type=Path, default=ROOT / "model_repository"
+    )
+    parser.add_argument("--model", default="minilm")
+    parser.add_argument("--calls", type=int, default=600)
+    parser.add_argument("--pause-ms", type=float, default=2.0)
+    parser.add_argument("--gateways", type=int, default=1)
+    parser.add_argument("--batchers", type=int, default=1)
+    args = parser.parse_args()
+    stack = Stack(args.model_repository, gateways=args.gateways, batchers=args.batchers)
+    stack.wait_serving(600)
+    try:
+        stub = berth_pb2_grpc.BerthStub(grpc.insecure_channel(stack.gateway))
+
+        def call(text: str) -> float:
+            began = time.perf_counter()
+            stub.Embed(berth_pb2.EmbedRequest(model=args.model, texts=[text]))
+            return (time.perf_counter() - began) * 1e3
+
+        for i in range(100):  # warm-up (distinct texts: the cache never answers)
+            call(f"warm-up text number {i}")
+        before, cpu_before = scrape(stack.metrics), cpu_seconds(stack.proc.pid)
+        latencies = []
+        for i in range(args.calls):
+            latencies.append(call(f"a short text to embed, number {i}"))
+            time.sleep(args.pause_ms / 1e3)
+        after, cpu_after = scrape(stack.metrics), cpu_seconds(stack.proc.pid)
+    finally:
+        stack.stop()
+    latencies.sort()
+    print(
+        f"{args.model}, {args.calls} sequential single-text Embed calls, "
+        f"{args.gateways} gateway(s), {args.batchers} batcher(s)"
+    )
+    print(f"{'client sees: p50':62} {statistics.median(latencies):8.3f} ms")
+    print(f"{'client sees: p90':62} {latencies[int(0.9 * len(latencies))]:8.3f} ms")
+    for metric, labels, kind in sorted(after):
+        if kind != "sum":
+            continue
+        count = after[(metric, labels, "count")] - before.get(
+            (metric, labels, "count"), 0
+        )
+        if count > 0:
+            total = after[(metric, labels, kind)] - before.get(
+                (metric, labels, kind), 0
+            )
+            name = f"{metric.removeprefix('berth_')}{{{labels}}}"
+            print(f"{name[:62]:62} {1e3 * total / count:8.3f} ms mean (n={count:.0f})")
+    for role in sorted(cpu_after):
+        used = cpu_after[role] - cpu_before.get(role, 0.0)
+        print(f"{'CPU per call: ' + role:62} {1e3 * used / args.calls:8.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
