@@ -14,7 +14,10 @@
 #                      benchmarks/e2e.py per model:api in E2E_RUNS (default
 #                      "bert-base:unary bert-base:stream minilm:unary");
 #                      E2E_ARGS replaces its other arguments
-# STAGES picks stages (default "tests bench quant"; "e2e" runs the stack);
+#   latency.log        benchmarks/latency.py: a request's time by hop at low
+#                      load, BERT-base, 1 gateway + 1 batcher, then the defaults
+# STAGES picks stages (default "tests bench quant"; "e2e" and "latency" run
+# the stack);
 # BENCH_ARGS goes to benchmarks/engine.py (e.g. "--quick --models bert-base").
 #
 # Carried, because the device machine reaches no registry:
@@ -69,12 +72,27 @@ if [[ " $STAGES " == *" bench "* ]]; then
   grep -v "^probe\|^input" "$OUT/engine_bench.log" | tail -n 90
 fi
 
-if [[ " $STAGES " == *" e2e "* ]]; then
-  # The whole stack on this machine: `berth serve` on the GPU, open-loop
-  # single-text Embed load from client processes, offline baseline in-process.
+if [[ " $STAGES " == *" e2e "* || " $STAGES " == *" latency "* ]]; then
+  # BERT-base-sized random weights and MiniLM, as berth model repositories.
   $PY -m benchmarks.gpu_repository build/e2e \
     ${BERTH_GPU_FIXTURES:+--minilm "$BERTH_GPU_FIXTURES/checkpoint"} \
     > "$OUT/e2e_repository.log" 2>&1 || tail -n 20 "$OUT/e2e_repository.log"
+fi
+
+if [[ " $STAGES " == *" latency "* ]]; then
+  for layout in "1 1" "$(( $(nproc) / 2 > 8 ? 8 : $(nproc) / 2 )) 2"; do
+    set -- $layout
+    timeout 200 $PY benchmarks/latency.py --model bert-base \
+      --model-repository build/e2e/bert-base --gateways "$1" --batchers "$2" \
+      >> "$OUT/latency.log" 2>&1
+    echo "latency ($1 gateways, $2 batchers): exit $?"
+  done
+  grep -v "^20..-" "$OUT/latency.log" | tail -n 40
+fi
+
+if [[ " $STAGES " == *" e2e "* ]]; then
+  # The whole stack on this machine: `berth serve` on the GPU, open-loop
+  # single-text Embed load from client processes, offline baseline in-process.
   for run in ${E2E_RUNS:-bert-base:unary bert-base:stream minilm:unary}; do
     model=${run%%:*} api=${run##*:}
     left=$((585 - SECONDS))
