@@ -118,14 +118,13 @@ class GraphCache:
         began = last = time.monotonic()
         with torch.cuda.stream(self.stream):
             for done, (batch, length, tokens) in enumerate(ordered):
-                if (
-                    time.monotonic() - last > PROGRESS_EVERY_S
-                ):  # long captures show progress
-                    last = time.monotonic()
+                now = time.monotonic()
+                if now - last > PROGRESS_EVERY_S:  # a long capture shows progress
+                    last = now
                     log.info(
                         "capturing CUDA graphs: %d of %d shapes done in %.1f s (now "
                         "%dx%d%s)",
-                        done, len(ordered), last - began, batch, length,
+                        done, len(ordered), now - began, batch, length,
                         f", {tokens} tokens packed" if tokens else "",
                     )  # fmt: skip
                 size = batch * (length + 1)

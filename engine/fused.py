@@ -10,10 +10,15 @@ modules and weights, in fewer passes over device memory (engine/kernels.py):
   SDPA with the boolean key mask where neither runs;
 - feed-forward: bias and GELU in the cuBLASLt epilogue of the first matmul
   (tanh-form GELU; ``gelu_epilogue=False`` keeps the exact erf form);
-- residual add and LayerNorm in one Triton kernel; mean pooling in another.
+- residual add and LayerNorm in one Triton kernel; mean pooling in another;
+- few tokens (a plan per token count, engine/kernels.SMALL_LINEAR): berth's
+  Triton GEMM where it measured faster than cuBLAS, its split-K partials
+  summed by the LayerNorm kernel.
 
 Tokens are kept flat ([batch * length, hidden]) so every matmul is one 2-D
-GEMM with its bias in the epilogue. Off the GPU each step falls back to
+GEMM with its bias in the epilogue. Packed (``tokens`` given): the rows'
+tokens end to end, no padding token computed; the CUDA graphs capture large
+shapes this way (engine/cuda_graphs.py). Off the GPU each step falls back to
 torch ops, so this module imports and computes everywhere.
 """
 
@@ -116,11 +121,12 @@ class FusedForward:
         for layer in self.layers:
             x = self._layer(layer, x, batch, length, keys)
         hidden = x.view(batch, length, -1)
-        pooled = (
-            mean_pool(hidden, lengths)
-            if self.mean
-            else self.served.pooling(hidden, lengths)
-        )
+        if self.mean and kernels.use_triton(x):  # rows start at b * L
+            pooled = mean_pool(x, lengths, self._row_starts(batch, length, x.device))
+        elif self.mean:
+            pooled = mean_pool(hidden, lengths)
+        else:
+            pooled = self.served.pooling(hidden, lengths)
         return self.served.post(pooled)
 
     def packs(self, batch: int, length: int) -> bool:
@@ -138,7 +144,7 @@ class FusedForward:
         if not self.packs(batch, length):
             raise ValueError(f"attention {kind!r} cannot run packed rows")
         used = lengths.clamp(min=1).to(torch.int32)
-        starts = F.pad(used.cumsum(0, dtype=torch.int32), (1, 0))
+        starts = _packed_starts(used)
         x = kernels.embed_packed(self.encoder.embeddings, ids, used, starts, tokens)
         keys = (kind, (used, starts), True)
         for layer in self.layers:
@@ -170,11 +176,7 @@ class FusedForward:
         for kind in self.kinds:
             keys = self._keys(kind, lengths, batch, length)
             if packed and kind in ("flash", "triton"):
-                keys = (
-                    kind,
-                    (used, F.pad(used.cumsum(0, dtype=torch.int32), (1, 0))),
-                    True,
-                )
+                keys = (kind, (used, _packed_starts(used)), True)
             try:
                 timings[kind] = _time(
                     lambda keys=keys: self._attend(qkv, batch, length, keys)
@@ -306,6 +308,11 @@ class FusedForward:
                 0, (batch + 1) * length, length, dtype=torch.int32, device=device
             )
         return self._starts[key]
+
+
+def _packed_starts(used: torch.Tensor) -> torch.Tensor:
+    """int32 [B + 1]: where each packed row starts (cumulative lengths, 0 first)."""
+    return F.pad(used.cumsum(0, dtype=torch.int32), (1, 0))
 
 
 def _time(fn: Any, calls: int = 10, rounds: int = 3) -> float:
