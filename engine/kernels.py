@@ -75,37 +75,19 @@ if triton is not None:
 
     @triton.jit
     def _embed_layer_norm_kernel(  # type: ignore[no-untyped-def]
-        ids_ptr, word_ptr, pos_ptr, type_ptr, w_ptr, b_ptr, out_ptr,
-        length, n_cols, eps, BLOCK: tl.constexpr,
-    ):  # fmt: skip
-        row = tl.program_id(0).to(tl.int64)
-        token = tl.load(ids_ptr + row).to(tl.int64)
-        position = row % length
-        cols = tl.arange(0, BLOCK)
-        keep = cols < n_cols
-        x = tl.load(word_ptr + token * n_cols + cols, mask=keep, other=0.0)
-        x = x.to(tl.float32)
-        x += tl.load(pos_ptr + position * n_cols + cols, mask=keep, other=0.0)
-        x += tl.load(type_ptr + cols, mask=keep, other=0.0)
-        mean = tl.sum(x, axis=0) / n_cols
-        diff = tl.where(keep, x - mean, 0.0)
-        rstd = tl.rsqrt(tl.sum(diff * diff, axis=0) / n_cols + eps)
-        w = tl.load(w_ptr + cols, mask=keep, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + cols, mask=keep, other=0.0).to(tl.float32)
-        y = (diff * rstd * w + b).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + row * n_cols + cols, y, mask=keep)
-
-    @triton.jit
-    def _embed_packed_kernel(  # type: ignore[no-untyped-def]
         ids_ptr, len_ptr, start_ptr, word_ptr, pos_ptr, type_ptr, w_ptr, b_ptr,
-        out_ptr, length, n_cols, eps, BLOCK: tl.constexpr,
+        out_ptr, length, n_cols, eps, BLOCK: tl.constexpr, PACKED: tl.constexpr,
     ):  # fmt: skip
-        # Program p: token p % L of row p // L, stored at its row's start + p % L
-        # when inside the row (lengths >= 1 here); nothing otherwise.
-        row = tl.program_id(0) // length
+        # Program p: token p % L of row p // L. Padded: stored at p. PACKED:
+        # stored at its row's start + p % L when inside the row (lengths >= 1
+        # here), nothing otherwise.
         position = tl.program_id(0) % length
-        if position >= tl.load(len_ptr + row):
-            return
+        at = tl.program_id(0).to(tl.int64)
+        if PACKED:
+            row = tl.program_id(0) // length
+            if position >= tl.load(len_ptr + row):
+                return
+            at = tl.load(start_ptr + row).to(tl.int64) + position
         token = tl.load(ids_ptr + tl.program_id(0).to(tl.int64)).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         keep = cols < n_cols
@@ -119,7 +101,6 @@ if triton is not None:
         w = tl.load(w_ptr + cols, mask=keep, other=0.0).to(tl.float32)
         b = tl.load(b_ptr + cols, mask=keep, other=0.0).to(tl.float32)
         y = (diff * rstd * w + b).to(out_ptr.dtype.element_ty)
-        at = tl.load(start_ptr + row).to(tl.int64) + position
         tl.store(out_ptr + at * n_cols + cols, y, mask=keep)
 
     @triton.jit
@@ -286,9 +267,9 @@ def embed_layer_norm(emb: Embeddings, ids: torch.Tensor) -> torch.Tensor:
     out = torch.empty(ids.numel(), cols, dtype=emb.word.weight.dtype, device=ids.device)
     block = triton.next_power_of_2(cols)
     _embed_layer_norm_kernel[(ids.numel(),)](
-        ids, emb.word.weight, emb.position.weight[emb.offset :], emb.token_type,
-        emb.norm.weight, emb.norm.bias, out, length, cols, emb.norm.eps,
-        BLOCK=block, num_warps=_warps(block),
+        ids, ids, ids, emb.word.weight, emb.position.weight[emb.offset :],
+        emb.token_type, emb.norm.weight, emb.norm.bias, out, length, cols,
+        emb.norm.eps, BLOCK=block, num_warps=_warps(block), PACKED=False,
     )  # fmt: skip
     return out
 
@@ -313,10 +294,10 @@ def embed_packed(
         out[where] = padded[inside]
         return out
     block = triton.next_power_of_2(cols)
-    _embed_packed_kernel[(ids.numel(),)](
+    _embed_layer_norm_kernel[(ids.numel(),)](
         ids, lengths, starts, emb.word.weight, emb.position.weight[emb.offset :],
         emb.token_type, emb.norm.weight, emb.norm.bias, out, length, cols,
-        emb.norm.eps, BLOCK=block, num_warps=_warps(block),
+        emb.norm.eps, BLOCK=block, num_warps=_warps(block), PACKED=True,
     )  # fmt: skip
     return out
 
