@@ -120,6 +120,6 @@ def preferred_backend(entry: ModelEntry, device: str) -> str:
         gpu = torch.cuda.is_available()
     else:
         gpu = device.partition(":")[0] != "cpu"
-    if gpu or entry.quantize == "int8":
-        return "torch"
+    if gpu or (entry.quantize or "none") != "none":  # int8 (or a misplaced fp8,
+        return "torch"  # which torch refuses with the fix in its message)
     return "onnxruntime"

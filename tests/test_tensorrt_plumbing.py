@@ -254,6 +254,9 @@ def test_auto_backend_is_the_measured_faster_one_for_the_device() -> None:
     assert ModelEntry(name="x", task="embed", checkpoint="").backend == "auto"
     assert preferred_backend(plain, "cpu") == "onnxruntime"
     assert preferred_backend(int8, "cpu") == "torch"  # its INT8 agrees more
+    int8.quantize = "fp8"  # refused on the CPU by torch, naming the fix
+    assert preferred_backend(int8, "cpu") == "torch"
+    int8.quantize = "int8"
     assert preferred_backend(plain, "cuda:0") == "torch"  # fp16 CUDA graphs
     router = create_model_router(
         {"plain": plain, "int8": int8}, "torch", "cpu", factory
