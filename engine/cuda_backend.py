@@ -290,9 +290,11 @@ class CudaBackend(TorchBackend):
         self._runners: dict[str, ModelRunner] = {}
         props = torch.cuda.get_device_properties(self.torch_device)
         log.info(
-            "torch-cuda on %s (%s, %d SMs, %.0f GiB): %s weights, %s inputs, GELU %s",
+            "torch-cuda on %s (%s %s, %d SMs, %.0f GiB): %s weights, %s inputs, "
+            "GELU %s",
             self.device,
             props.name,
+            getattr(props, "uuid", ""),  # which card, whatever CUDA numbers it
             props.multi_processor_count,
             props.total_memory / 2**30,
             str(self.dtype).removeprefix("torch."),

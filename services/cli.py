@@ -6,6 +6,8 @@ import argparse
 import json
 import logging
 import os
+import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,6 +35,47 @@ def _gpu_count() -> int:
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
     except ImportError:
         return 0
+
+
+def parse_gpu_list(listing: str) -> list[str]:
+    """The devices an engine each can own, from ``nvidia-smi -L``: a GPU's
+    UUID, or, for a GPU split into MIG instances, each instance's UUID."""
+    devices: list[str] = []
+    gpu: str | None = None  # the last GPU line's UUID, until its MIGs show
+    for line in listing.splitlines():
+        found = re.search(r"\(UUID: ((?:GPU|MIG)-[^)\s]+)\)", line)
+        if found is None:
+            continue
+        uuid = found.group(1)
+        if uuid.startswith("GPU-"):
+            if gpu is not None:
+                devices.append(gpu)
+            gpu = uuid
+        else:  # a MIG instance of the GPU above: it replaces the whole GPU
+            devices.append(uuid)
+            gpu = None
+    if gpu is not None:
+        devices.append(gpu)
+    return devices
+
+
+def engine_devices() -> list[str]:
+    """CUDA_VISIBLE_DEVICES for each engine, one GPU or MIG instance each.
+
+    The caller's CUDA_VISIBLE_DEVICES, when set, is split among the engines
+    (so "2,3" serves GPUs 2 and 3, not 0 and 1); else every GPU or MIG
+    instance ``nvidia-smi -L`` lists, by UUID (CUDA shows a process only one
+    MIG instance, so each engine is given its own); else CUDA's own count."""
+    configured = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if configured is not None:
+        return [d.strip() for d in configured.split(",") if d.strip() not in ("", "-1")]
+    try:
+        listing = subprocess.run(
+            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        listing = ""
+    return parse_gpu_list(listing) or [str(i) for i in range(_gpu_count())]
 
 
 # ---- berth serve ------------------------------------------------------------
@@ -76,7 +119,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # Only an empty repository gets the defaults: a user's own entries,
         # whatever their names, are never rewritten.
         build_models(repo)
-    gpus = _gpu_count()
+    devices = [] if args.device == "cpu" else engine_devices()
+    gpus = len(devices)
     engines = args.engines or default_engines(gpus)
     common = ["--model-repository", str(repo)]
 
@@ -91,7 +135,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine_addresses.append(f"{args.host}:{port}")
         env = {}
         if gpus:
-            env["CUDA_VISIBLE_DEVICES"] = str(i % gpus)
+            env["CUDA_VISIBLE_DEVICES"] = devices[i % gpus]
         elif engines > 1:
             # Share the CPU cores between engines instead of oversubscribing.
             env["BERTH_TORCH_THREADS"] = str(max(1, (os.cpu_count() or 1) // engines))
@@ -182,7 +226,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "starting %d engine(s) on %s, %d batcher(s) on %s, %d gateway "
         "process(es) on %s",
         engines,
-        "GPU" if gpus else args.device,
+        f"GPUs {', '.join(devices)}" if gpus else args.device,
         batchers,
         ", ".join(batcher_addresses),
         gateways,
@@ -350,7 +394,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(serve, "batcher-port", DEFAULT_BATCHER_PORT, "first batcher port")
     add_flag(serve, "engine-port", DEFAULT_ENGINE_PORT, "first engine port")
     add_flag(serve, "backend", "torch", "engine backend")
-    add_flag(serve, "device", "auto", "engine device when there is no GPU")
+    add_flag(
+        serve, "device", "auto", "auto: an engine per GPU or MIG instance, else cpu"
+    )
     add_flag(serve, "build-models", True, "build the default models if missing")
     add_flag(
         serve,

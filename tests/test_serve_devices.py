@@ -1,0 +1,59 @@
+"""`berth serve` gives each engine its own GPU or MIG instance."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.cli import engine_devices, parse_gpu_list
+
+TWO_GPUS = """\
+GPU 0: NVIDIA H200 (UUID: GPU-3f2a9c1e-0000-1111-2222-333344445555)
+GPU 1: NVIDIA H200 (UUID: GPU-7b1d0e2f-6666-7777-8888-999900001111)
+"""
+
+ONE_SPLIT = """\
+GPU 0: NVIDIA H200 (UUID: GPU-aaaa0000-0000-0000-0000-000000000000)
+  MIG 3g.71gb     Device  0: (UUID: MIG-1111aaaa-0000-0000-0000-000000000000)
+  MIG 3g.71gb     Device  1: (UUID: MIG-2222bbbb-0000-0000-0000-000000000000)
+GPU 1: NVIDIA H200 (UUID: GPU-bbbb0000-0000-0000-0000-000000000000)
+"""
+
+
+def test_whole_gpus_by_uuid() -> None:
+    assert parse_gpu_list(TWO_GPUS) == [
+        "GPU-3f2a9c1e-0000-1111-2222-333344445555",
+        "GPU-7b1d0e2f-6666-7777-8888-999900001111",
+    ]
+
+
+def test_a_split_gpu_gives_one_engine_per_mig_instance() -> None:
+    assert parse_gpu_list(ONE_SPLIT) == [
+        "MIG-1111aaaa-0000-0000-0000-000000000000",
+        "MIG-2222bbbb-0000-0000-0000-000000000000",
+        "GPU-bbbb0000-0000-0000-0000-000000000000",
+    ]
+
+
+def test_no_nvidia_smi_output_means_no_devices_listed() -> None:
+    assert parse_gpu_list("") == []
+    assert parse_gpu_list("NVIDIA-SMI has failed") == []
+
+
+def test_the_callers_visible_devices_are_split_not_renumbered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 3")
+    assert engine_devices() == ["2", "3"]  # GPUs 2 and 3, not 0 and 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-1111aaaa,MIG-2222bbbb")
+    assert engine_devices() == ["MIG-1111aaaa", "MIG-2222bbbb"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # hidden: the CPU
+    assert engine_devices() == []
+
+
+def test_this_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    import torch
+
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    devices = engine_devices()  # MIG instances count one each: CUDA shows one
+    assert len(devices) >= cuda and (not devices) == (not cuda)
