@@ -81,7 +81,8 @@ fi
 
 if [[ " $STAGES " == *" latency "* ]]; then
   for layout in "1 1" "$(( $(nproc) / 2 > 8 ? 8 : $(nproc) / 2 )) 2"; do
-    set -- $layout  # shellcheck disable=SC2086 (split on purpose)
+    # shellcheck disable=SC2086  # split into gateways and batchers on purpose
+    set -- $layout
     timeout 200 $PY benchmarks/latency.py --model bert-base \
       --model-repository build/e2e/bert-base --gateways "$1" --batchers "$2" \
       >> "$OUT/latency.log" 2>&1
