@@ -30,6 +30,7 @@ from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from engine import kernels
 from engine.encoder import ACTIVATIONS, EncoderLayer, key_padding_mask
@@ -207,7 +208,9 @@ class FusedForward:
     ) -> torch.Tensor:
         attention = layer.attention
         plan = self._plan(x.shape[0])
-        if "qkv" in plan:
+        if not isinstance(attention.qkv, nn.Linear):  # a quantized layer (FP8)
+            qkv = attention.qkv(x)
+        elif "qkv" in plan:
             qkv = kernels.linear(
                 x, attention.qkv.weight, attention.qkv.bias, config=plan["qkv"]
             )
@@ -233,13 +236,15 @@ class FusedForward:
     def _project_norm(
         self,
         x: torch.Tensor,
-        linear: torch.nn.Linear,
+        linear: nn.Module,
         residual: torch.Tensor,
-        norm: torch.nn.LayerNorm,
+        norm: nn.LayerNorm,
         tiles: kernels.LinearConfig | None,
     ) -> torch.Tensor:
         """LayerNorm(x W^T + b + residual)."""
-        if tiles is None:
+        if not isinstance(linear, nn.Linear):  # a quantized layer (FP8)
+            out = linear(x)
+        elif tiles is None:
             out = F.linear(x, linear.weight, linear.bias)
         elif tiles.split > 1:  # float32 partials, summed by the LayerNorm kernel
             part = kernels.linear(x, linear.weight, None, config=tiles)
@@ -280,6 +285,8 @@ class FusedForward:
         tiles: kernels.LinearConfig | None = None,
     ) -> torch.Tensor:
         linear = layer.ffn_in
+        if not isinstance(linear, nn.Linear):  # a quantized layer (FP8)
+            return layer.act(linear(x))
         if tiles is not None:
             if self.activation == "relu":
                 act = kernels.ACT_RELU

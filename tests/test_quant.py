@@ -194,6 +194,21 @@ def test_quantize_fp8_on_the_reference_path() -> None:
     assert _cos(got[:3], want[:3]).min() > 0.98
 
 
+def test_the_engines_fused_forward_runs_fp8_layers() -> None:
+    """The CUDA backend runs every model through engine/fused.py: quantized
+    layers are called as modules there (their weights are not an nn.Linear's)."""
+    from engine.fused import FusedForward
+
+    model = _tiny_model()
+    quant.quantize_fp8(model, _tiny_batches())
+    ids, lengths = _tiny_batches(1)[0]
+    with torch.inference_mode():
+        fused, plain = FusedForward(model)(ids, lengths), model(ids, lengths)
+    real = lengths > 0
+    assert torch.isfinite(fused).all()
+    assert _cos(fused[real], plain[real]).min() > 0.999
+
+
 def test_quantize_for_entry_checks_mode_and_device() -> None:
     entry: Any = SimpleNamespace(name="m", quantize="none")
     assert quant.quantize_for_entry(_tiny_model(), entry, torch.device("cpu")) == "none"
