@@ -12,6 +12,7 @@ weights, the head, the entry's task/pooling/normalize and the opset.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -114,8 +115,20 @@ def export_entry(entry: ModelEntry, directory: Path | None = None) -> Path:
     if path.is_file():
         log.info("ONNX for %s found in cache: %s", entry.name, path)
         return path
-    model = load_served_model(entry, "cpu", torch.float32)
-    return export_onnx(model, path, entry.max_tokens)
+    # Engines starting together (`berth serve` runs one per core) export once:
+    # the first takes the lock, the others wait for its file.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(f".{path.name}.lock"), "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process's ONNX export of %s", entry.name)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.is_file():
+            log.info("ONNX for %s exported by another process: %s", entry.name, path)
+            return path
+        model = load_served_model(entry, "cpu", torch.float32)
+        return export_onnx(model, path, entry.max_tokens)
 
 
 def compare_with_torch(

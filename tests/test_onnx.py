@@ -99,3 +99,39 @@ def test_onnx_backend_rejects_unknown_model() -> None:
     backend = OnnxRuntimeBackend("cpu", threads=1)
     with pytest.raises(BackendError, match="not loaded"):
         backend.width("nope")
+
+
+def test_engines_starting_together_export_once(
+    entries: dict[str, ModelEntry], tmp_path: Path
+) -> None:
+    """Two processes asking for the same uncached export: one exports, the
+    other waits for its file (berth serve starts an engine per core)."""
+    import json
+    import subprocess
+    import sys
+
+    entry = json.dumps(dataclasses.asdict(entries["intent"]))
+    code = (
+        "import json, logging, sys\n"
+        "from pathlib import Path\n"
+        "from engine.onnx_export import export_entry\n"
+        "from services.repository import ModelEntry\n"
+        "logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
+        "entry = ModelEntry(**json.loads(sys.argv[1]))\n"
+        "print(export_entry(entry, Path(sys.argv[2])))\n"
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, entry, str(tmp_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outputs
+    exported = [o for o in outputs if "exporting intent to ONNX" in o]
+    assert len(exported) == 1, outputs  # the other waited (or, late, found it)
+    paths = {o.strip().splitlines()[-1] for o in outputs}
+    assert len(paths) == 1 and Path(paths.pop()).is_file()
