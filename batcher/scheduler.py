@@ -168,18 +168,17 @@ class ModelScheduler:
             code = grpc.StatusCode.INVALID_ARGUMENT
             self._refuse(group, deliver, code, "invalid", str(exc))
             return []
-        if recording():
-            parent = extract(group.trace_context)
-            for reply_id, key in zip(group.ids, keys, strict=True):
+        traced = recording()  # no span per sequence when none is exported
+        parent = extract(group.trace_context) if traced else None
+        for reply_id, key in zip(group.ids, keys, strict=True):
+            span: Span = INVALID_SPAN
+            if traced:
                 span = TRACER.start_span(
                     "batcher.queue",
                     context=parent,
                     attributes={"berth.model": self.name},
                 )
-                self.waiters[key] = Waiter(reply_id, deliver, now, span)
-        else:  # no span per sequence when none is exported
-            for reply_id, key in zip(group.ids, keys, strict=True):
-                self.waiters[key] = Waiter(reply_id, deliver, now, INVALID_SPAN)
+            self.waiters[key] = Waiter(reply_id, deliver, now, span)
         metrics.QUEUE_DEPTH.labels(self.name).set(len(self.core))
         self._wake.set()
         return list(zip(group.ids, keys, strict=True))

@@ -137,12 +137,13 @@ class ModelRunner:
         graphs: list[Shape] = []
         with torch.inference_mode(), torch.cuda.stream(self.stream):
             for batch, length in fits:  # the faster attention kernel per shape
-                ladder: list[int | None] = []
-                ladder += token_ladder(batch, length) if self.pack else []
+                ladder = token_ladder(batch, length) if self.pack else []
                 self.forward.choose_attention(batch, length, packed=bool(ladder))
                 if not self.forward.packs(batch, length):
                     ladder = []
-                graphs += [(batch, length, t) for t in ladder or [None]]
+                graphs += [(batch, length, t) for t in ladder] or [
+                    (batch, length, None)
+                ]
             self.graphs.capture(buffers, graphs)
 
     def submit(

@@ -75,10 +75,18 @@ class FusedForward:
         self.head_dim = config.hidden_size // config.num_heads
         self.eps = config.layer_norm_eps
         self.activation = config.activation
-        # The cuBLASLt epilogue computes GELU's tanh form.
+        # The cuBLASLt epilogue computes GELU's tanh form, on the GPU only.
         self.gelu_epilogue = gelu_epilogue or ACTIVATIONS[config.activation] == "tanh"
-        self.mean = isinstance(served.pooling, MeanPooling)
         weight = self.encoder.embeddings.word.weight
+        self.epilogue = self.gelu_epilogue and weight.is_cuda
+        # berth's few-token GEMM computes what the cuBLAS path would.
+        if self.activation == "relu":
+            self.plan_act = kernels.ACT_RELU
+        elif self.epilogue or ACTIVATIONS[config.activation] == "tanh":
+            self.plan_act = kernels.ACT_GELU_TANH
+        else:
+            self.plan_act = kernels.ACT_GELU_ERF
+        self.mean = isinstance(served.pooling, MeanPooling)
         self.kinds = self._available(weight)
         self.chosen: dict[tuple[int, int], str] = {}  # (batch, length) -> kind
         self._starts: dict[tuple[int, int], torch.Tensor] = {}
@@ -288,18 +296,12 @@ class FusedForward:
         if not isinstance(linear, nn.Linear):  # a quantized layer (FP8)
             return layer.act(linear(x))
         if tiles is not None:
-            if self.activation == "relu":
-                act = kernels.ACT_RELU
-            else:  # the form the cuBLAS path computes (its epilogue: tanh)
-                tanh = self.gelu_epilogue and x.is_cuda
-                tanh = tanh or ACTIVATIONS[self.activation] == "tanh"
-                act = kernels.ACT_GELU_TANH if tanh else kernels.ACT_GELU_ERF
-            return kernels.linear(x, linear.weight, linear.bias, act, tiles)
+            return kernels.linear(x, linear.weight, linear.bias, self.plan_act, tiles)
         if self.activation == "relu":
             return torch._addmm_activation(
                 linear.bias, x, linear.weight.t(), use_gelu=False
             )
-        if self.gelu_epilogue and x.is_cuda:
+        if self.epilogue:
             return torch._addmm_activation(
                 linear.bias, x, linear.weight.t(), use_gelu=True
             )

@@ -106,11 +106,7 @@ def server_span(
     """A server span under the caller's trace context. When not recording,
     the caller's context alone becomes current, so the next hop still joins
     the caller's trace; a call without one costs nothing."""
-    carrier = {
-        k: v.decode() if isinstance(v, bytes) else v
-        for k, v in metadata
-        if k in TRACE_HEADERS
-    }
+    carrier = _carrier(metadata)
     if _provider is None:
         if not carrier:
             return _NOT_RECORDING
@@ -148,8 +144,17 @@ def inject(ctx: Context | None = None) -> dict[str, str]:
 def extract(carrier: Mapping[str, str] | Iterable[tuple[str, str | bytes]]) -> Context:
     """A context from a dict or from gRPC invocation metadata."""
     if not isinstance(carrier, Mapping):
-        carrier = {k: v.decode() if isinstance(v, bytes) else v for k, v in carrier}
+        carrier = _carrier(carrier)
     return _PROPAGATOR.extract(carrier)
+
+
+def _carrier(metadata: Iterable[tuple[str, str | bytes]]) -> dict[str, str]:
+    """The trace headers of gRPC metadata (the propagator reads no others)."""
+    return {
+        k: v.decode() if isinstance(v, bytes) else v
+        for k, v in metadata
+        if k in TRACE_HEADERS
+    }
 
 
 def record_error(span: Span, exc: BaseException) -> None:
