@@ -14,7 +14,9 @@ torch on any device. Settings from the environment:
 - ``BERTH_EXACT_GELU=1``: erf GELU after the matmul instead of the tanh form
   in the cuBLASLt epilogue;
 - ``BERTH_CUDA_PACK=0``: large shapes stay padded (by default they run
-  packed: no padding token computed, engine/cuda_graphs.py).
+  packed: no padding token computed, engine/cuda_graphs.py);
+- ``BERTH_PDL=0``: no programmatic dependent launches (on by default on
+  Hopper and later, engine/fused.py).
 
 One batch: validate and write the wire bytes into a pinned slot, pad to the
 next captured batch size, enqueue (copy in, replay, copy out) on the
@@ -80,7 +82,9 @@ class ModelRunner:
     def __init__(
         self, served: ServedModel, backend: CudaBackend, gelu_epilogue: bool
     ) -> None:
-        self.forward = FusedForward(served, gelu_epilogue=gelu_epilogue)
+        self.forward = FusedForward(
+            served, gelu_epilogue=gelu_epilogue, pdl=backend.pdl
+        )
         self.width = served.width
         self.vocab = served.encoder.config.vocab_size
         self.max_length = served.encoder.embeddings.max_length
@@ -263,6 +267,7 @@ class CudaBackend(TorchBackend):
         input_mode: str | None = None,
         gelu_epilogue: bool | None = None,
         pack: bool | None = None,
+        pdl: bool | None = None,
     ) -> None:
         dtype_name = os.environ.get("BERTH_CUDA_DTYPE", "float16")
         if dtype is None and dtype_name not in DTYPES:
@@ -285,6 +290,7 @@ class CudaBackend(TorchBackend):
         if pack is None:
             pack = os.environ.get("BERTH_CUDA_PACK", "1") not in ("0", "false")
         self.pack = pack
+        self.pdl = pdl  # None: BERTH_PDL, where the GPU has it (FusedForward)
         torch.cuda.set_device(self.torch_device)
         self.stream = torch.cuda.Stream(self.torch_device)
         self.pool = torch.cuda.graph_pool_handle()
@@ -312,10 +318,12 @@ class CudaBackend(TorchBackend):
         runner = ModelRunner(self.model(entry.name), self, self.gelu_epilogue)
         self._runners[entry.name] = runner
         log.info(
-            "model %s on %s: attention kernels %s (the faster per shape)",
+            "model %s on %s: attention kernels %s (the faster per shape); "
+            "dependent launches %s",
             entry.name,
             self.device,
             ", ".join(runner.forward.kinds),
+            "on" if runner.forward.pdl else "off",
         )
 
     def warmup(self, model: str, shapes: list[tuple[int, int]]) -> None:

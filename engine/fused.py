@@ -13,7 +13,12 @@ modules and weights, in fewer passes over device memory (engine/kernels.py):
 - residual add and LayerNorm in one Triton kernel; mean pooling in another;
 - few tokens (a plan per token count, engine/kernels.SMALL_LINEAR): berth's
   Triton GEMM where it measured faster than cuBLAS, its split-K partials
-  summed by the LayerNorm kernel.
+  summed by the LayerNorm kernel;
+- on Hopper, every Triton kernel launched dependent on its predecessor
+  (``pdl``, engine/kernels.py: the launch overlaps the previous kernel's
+  tail), and at few tokens the QKV and FFN-in GEMMs in Triton too
+  (``chained``), so a layer is one unbroken chain. ``BERTH_PDL=0`` turns
+  both off.
 
 Tokens are kept flat ([batch * length, hidden]) so every matmul is one 2-D
 GEMM with its bias in the epilogue. Packed (``tokens`` given): the rows'
@@ -43,6 +48,8 @@ log = logging.getLogger("berth.engine")
 # BERTH_ATTENTION: auto (default: the faster per shape), flash, triton or sdpa.
 ATTENTION_ENV = "BERTH_ATTENTION"
 ATTENTION_KINDS = ("flash", "triton", "sdpa")
+# BERTH_PDL=0: kernels launched the classic way (no dependent launches).
+PDL_ENV = "BERTH_PDL"
 
 
 def flash_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -66,7 +73,9 @@ def flash_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> 
 class FusedForward:
     """ServedModel's forward with fused kernels: same weights, same function."""
 
-    def __init__(self, served: ServedModel, gelu_epilogue: bool = True) -> None:
+    def __init__(
+        self, served: ServedModel, gelu_epilogue: bool = True, pdl: bool | None = None
+    ) -> None:
         self.served = served
         self.encoder = served.encoder
         self.layers = [cast(EncoderLayer, layer) for layer in self.encoder.layers]
@@ -87,6 +96,12 @@ class FusedForward:
         else:
             self.plan_act = kernels.ACT_GELU_ERF
         self.mean = isinstance(served.pooling, MeanPooling)
+        if pdl is None:
+            pdl = os.environ.get(PDL_ENV, "1") not in ("0", "false")
+        self.pdl = pdl and kernels.pdl_available(weight)
+        # Triton GEMMs where cuBLAS is only a little faster alone: an unbroken
+        # chain of dependent launches (benchmarks/small_batch.py).
+        self.chained = self.pdl
         self.kinds = self._available(weight)
         self.chosen: dict[tuple[int, int], str] = {}  # (batch, length) -> kind
         self._starts: dict[tuple[int, int], torch.Tensor] = {}
@@ -125,13 +140,14 @@ class FusedForward:
         kind = self.chosen.get((batch, length), self.kinds[0])
         if tokens is not None:
             return self._packed(ids, lengths, tokens, kind)
-        x = kernels.embed_layer_norm(emb, ids)
+        x = kernels.embed_layer_norm(emb, ids, self.pdl)
         keys = self._keys(kind, lengths, batch, length)
         for layer in self.layers:
             x = self._layer(layer, x, batch, length, keys)
         hidden = x.view(batch, length, -1)
         if self.mean and kernels.use_triton(x):  # rows start at b * L
-            pooled = mean_pool(x, lengths, self._row_starts(batch, length, x.device))
+            starts = self._row_starts(batch, length, x.device)
+            pooled = mean_pool(x, lengths, starts, self.pdl)
         elif self.mean:
             pooled = mean_pool(hidden, lengths)
         else:
@@ -154,12 +170,14 @@ class FusedForward:
             raise ValueError(f"attention {kind!r} cannot run packed rows")
         used = lengths.clamp(min=1).to(torch.int32)
         starts = _packed_starts(used)
-        x = kernels.embed_packed(self.encoder.embeddings, ids, used, starts, tokens)
+        x = kernels.embed_packed(
+            self.encoder.embeddings, ids, used, starts, tokens, self.pdl
+        )
         keys = (kind, (used, starts), True)
         for layer in self.layers:
             x = self._layer(layer, x, batch, length, keys)
         if self.mean:
-            pooled = mean_pool(x, lengths, starts)
+            pooled = mean_pool(x, lengths, starts, self.pdl)
         else:  # CLS: each row's first token
             pooled = x[starts[:-1].long()].float()
         return self.served.post(pooled)
@@ -203,8 +221,10 @@ class FusedForward:
         whether the rows are packed)."""
         if kind == "sdpa":
             return kind, key_padding_mask(lengths, length), False
-        used = lengths.clamp(min=1).to(torch.int32)
-        return kind, (used, self._row_starts(batch, length, lengths.device)), False
+        starts = self._row_starts(batch, length, lengths.device)
+        if kind == "triton":  # reads any int lengths, 0 as 1: no kernels here
+            return kind, (lengths, starts), False
+        return kind, (lengths.clamp(min=1).to(torch.int32), starts), False
 
     def _layer(
         self,
@@ -220,8 +240,9 @@ class FusedForward:
             qkv = attention.qkv(x)
         elif "qkv" in plan:
             qkv = kernels.linear(
-                x, attention.qkv.weight, attention.qkv.bias, config=plan["qkv"]
-            )
+                x, attention.qkv.weight, attention.qkv.bias, config=plan["qkv"],
+                pdl=self.pdl,
+            )  # fmt: skip
         else:
             qkv = F.linear(x, attention.qkv.weight, attention.qkv.bias)
         context = self._attend(qkv, batch, length, keys)
@@ -237,8 +258,9 @@ class FusedForward:
             weight = self.encoder.embeddings.word.weight
             config = self.encoder.config
             self._plans[tokens] = kernels.small_linear_plan(
-                weight, tokens, config.hidden_size, config.intermediate_size
-            )
+                weight, tokens, config.hidden_size, config.intermediate_size,
+                self.chained,
+            )  # fmt: skip
         return self._plans[tokens]
 
     def _project_norm(
@@ -255,13 +277,18 @@ class FusedForward:
         elif tiles is None:
             out = F.linear(x, linear.weight, linear.bias)
         elif tiles.split > 1:  # float32 partials, summed by the LayerNorm kernel
-            part = kernels.linear(x, linear.weight, None, config=tiles)
+            part = kernels.linear(x, linear.weight, None, config=tiles, pdl=self.pdl)
             return add_layer_norm_partials(
-                part, linear.bias, residual, norm.weight, norm.bias, self.eps
-            )
+                part, linear.bias, residual, norm.weight, norm.bias, self.eps,
+                self.pdl,
+            )  # fmt: skip
         else:
-            out = kernels.linear(x, linear.weight, linear.bias, config=tiles)
-        return add_layer_norm(out, residual, norm.weight, norm.bias, self.eps)
+            out = kernels.linear(
+                x, linear.weight, linear.bias, config=tiles, pdl=self.pdl
+            )
+        return add_layer_norm(
+            out, residual, norm.weight, norm.bias, self.eps, pdl=self.pdl
+        )
 
     def _attend(
         self, qkv: torch.Tensor, batch: int, length: int, keys: tuple[str, Any, bool]
@@ -271,8 +298,9 @@ class FusedForward:
         if kind == "triton":
             used, starts = cut
             return kernels.attention(
-                qkv, used, batch, length, self.heads, starts=starts, packed=packed
-            )
+                qkv, used, batch, length, self.heads, starts=starts, packed=packed,
+                pdl=self.pdl,
+            )  # fmt: skip
         if kind == "flash":
             used, starts = cut
             q, k, v = qkv.view(tokens, 3, self.heads, self.head_dim).unbind(1)
@@ -296,7 +324,9 @@ class FusedForward:
         if not isinstance(linear, nn.Linear):  # a quantized layer (FP8)
             return layer.act(linear(x))
         if tiles is not None:
-            return kernels.linear(x, linear.weight, linear.bias, self.plan_act, tiles)
+            return kernels.linear(
+                x, linear.weight, linear.bias, self.plan_act, tiles, self.pdl
+            )
         if self.activation == "relu":
             return torch._addmm_activation(
                 linear.bias, x, linear.weight.t(), use_gelu=False

@@ -11,6 +11,16 @@
   sums, with the bias and the residual, before its LayerNorm (no separate
   split-K reduction, no memset).
 
+Every kernel takes ``pdl``: programmatic dependent launch (Hopper and
+later), the kernel launched while its predecessor still runs, each program
+waiting for the predecessor's writes (``gdc_wait``) before it reads
+anything, then letting its own successor launch (``gdc_launch_dependents``).
+A chain of such kernels overlaps each launch with the previous kernel's
+tail, what a few-token forward of ~90 short kernels spends much of its time
+in (notes/gpu.md). Every program of every such kernel waits first, so the
+ordering stays transitive: a kernel reading what two kernels back wrote is
+safe.
+
 Without Triton (the CPU build of torch) or off the GPU each falls back to
 torch ops, so the module imports and computes everywhere; with
 ``TRITON_INTERPRET=1`` the kernels run on CPU tensors (tests of the kernels
@@ -52,13 +62,39 @@ def _warps(elements: int) -> int:
     return max(1, min(8, elements // 256))
 
 
+def pdl_available(x: torch.Tensor) -> bool:
+    """Whether kernels on x's device can launch dependent (Hopper or later,
+    compiled: the interpreter has no grid dependencies)."""
+    return (
+        triton is not None
+        and x.is_cuda
+        and os.environ.get("TRITON_INTERPRET") != "1"
+        and torch.cuda.get_device_capability(x.device) >= (9, 0)
+        and hasattr(tl.extra.cuda, "gdc_wait")
+    )
+
+
+def _launch(pdl: bool) -> dict[str, bool]:
+    """A launch's options: with ``pdl``, dependent launch and the programs' wait."""
+    return {"GDC": True, "launch_pdl": True} if pdl else {"GDC": False}
+
+
 if triton is not None:
+
+    @triton.jit
+    def _chain(GDC: tl.constexpr):  # type: ignore[no-untyped-def]
+        # First thing in every kernel: wait for the previous kernel's writes,
+        # then let the next kernel launch (no-ops without dependent launch).
+        if GDC:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
     def _add_layer_norm_kernel(  # type: ignore[no-untyped-def]
         x_ptr, r_ptr, w_ptr, b_ptr, out_ptr, n_rows, n_cols, eps,
-        ROWS: tl.constexpr, BLOCK: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr,
     ):  # fmt: skip
+        _chain(GDC)
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK)
         keep = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
@@ -76,11 +112,13 @@ if triton is not None:
     @triton.jit
     def _embed_layer_norm_kernel(  # type: ignore[no-untyped-def]
         ids_ptr, len_ptr, start_ptr, word_ptr, pos_ptr, type_ptr, w_ptr, b_ptr,
-        out_ptr, length, n_cols, eps, BLOCK: tl.constexpr, PACKED: tl.constexpr,
+        out_ptr, length, n_cols, eps,
+        BLOCK: tl.constexpr, PACKED: tl.constexpr, GDC: tl.constexpr,
     ):  # fmt: skip
         # Program p: token p % L of row p // L. Padded: stored at p. PACKED:
         # stored at its row's start + p % L when inside the row (lengths >= 1
         # here), nothing otherwise.
+        _chain(GDC)
         position = tl.program_id(0) % length
         at = tl.program_id(0).to(tl.int64)
         if PACKED:
@@ -106,8 +144,9 @@ if triton is not None:
     @triton.jit
     def _mean_pool_kernel(  # type: ignore[no-untyped-def]
         h_ptr, len_ptr, start_ptr, out_ptr, n_cols,
-        BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr,
+        BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr, GDC: tl.constexpr,
     ):  # fmt: skip
+        _chain(GDC)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         keep = cols < n_cols
@@ -127,16 +166,17 @@ if triton is not None:
     def _attention_kernel(  # type: ignore[no-untyped-def]
         qkv_ptr, len_ptr, start_ptr, out_ptr, length, heads, scale,
         HEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        PACKED: tl.constexpr,
+        PACKED: tl.constexpr, GDC: tl.constexpr,
     ):  # fmt: skip
         # One program: BLOCK_M queries of one (row, head); qkv is [tokens, 3,
         # heads, HEAD] (the QKV projection's output), out [tokens, heads, HEAD];
         # row b's tokens start at start_ptr[b]. Padded rows (B x L) have L
         # queries each; packed rows only their own (the rest is not computed).
+        _chain(GDC)
         row = tl.program_id(1) // heads
         head = tl.program_id(1) % heads
         hidden = heads * HEAD
-        keys = tl.load(len_ptr + row)  # >= 1
+        keys = tl.maximum(tl.load(len_ptr + row).to(tl.int32), 1)
         rows_queries = keys if PACKED else length
         if tl.program_id(0) * BLOCK_M >= rows_queries:
             return
@@ -175,10 +215,11 @@ if triton is not None:
     def _linear_kernel(  # type: ignore[no-untyped-def]
         x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, k_slice,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        ACT: tl.constexpr, SPLIT: tl.constexpr,
+        ACT: tl.constexpr, SPLIT: tl.constexpr, GDC: tl.constexpr,
     ):  # fmt: skip
         # out [M, N] = act(x [M, K] @ w [N, K]^T + b); with SPLIT > 1, program
         # (m, n, s) writes the float32 partial of K slice s to out [s, M, N].
+        _chain(GDC)
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         inner = tl.arange(0, BLOCK_K)
@@ -214,8 +255,9 @@ if triton is not None:
     @triton.jit
     def _partials_layer_norm_kernel(  # type: ignore[no-untyped-def]
         p_ptr, bias_ptr, r_ptr, w_ptr, b_ptr, out_ptr, n_rows, n_cols, eps,
-        SPLIT: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+        SPLIT: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr,
     ):  # fmt: skip
+        _chain(GDC)
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK)
         keep = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
@@ -242,6 +284,7 @@ def add_layer_norm(
     bias: torch.Tensor,
     eps: float,
     rows_per_program: int | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """LayerNorm(x + residual) over rows of a contiguous [tokens, hidden].
 
@@ -254,12 +297,14 @@ def add_layer_norm(
     block = triton.next_power_of_2(cols)
     _add_layer_norm_kernel[(triton.cdiv(rows, per),)](
         x, residual, weight, bias, out, rows, cols, eps,
-        ROWS=per, BLOCK=block, num_warps=_warps(per * block),
+        ROWS=per, BLOCK=block, num_warps=_warps(per * block), **_launch(pdl),
     )  # fmt: skip
     return out
 
 
-def embed_layer_norm(emb: Embeddings, ids: torch.Tensor) -> torch.Tensor:
+def embed_layer_norm(
+    emb: Embeddings, ids: torch.Tensor, pdl: bool = False
+) -> torch.Tensor:
     """[B*L, H]: the embeddings module's output for ids [B, L], flattened."""
     if not use_triton(emb.word.weight):
         return emb(ids).flatten(0, 1)
@@ -270,6 +315,7 @@ def embed_layer_norm(emb: Embeddings, ids: torch.Tensor) -> torch.Tensor:
         ids, ids, ids, emb.word.weight, emb.position.weight[emb.offset :],
         emb.token_type, emb.norm.weight, emb.norm.bias, out, length, cols,
         emb.norm.eps, BLOCK=block, num_warps=_warps(block), PACKED=False,
+        **_launch(pdl),
     )  # fmt: skip
     return out
 
@@ -280,6 +326,7 @@ def embed_packed(
     lengths: torch.Tensor,
     starts: torch.Tensor,
     tokens: int,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """[tokens, H]: row b's first lengths[b] embeddings at starts[b] onwards, for
     ids [B, L] and lengths >= 1; rows past the last row's end are not written."""
@@ -298,12 +345,16 @@ def embed_packed(
         ids, lengths, starts, emb.word.weight, emb.position.weight[emb.offset :],
         emb.token_type, emb.norm.weight, emb.norm.bias, out, length, cols,
         emb.norm.eps, BLOCK=block, num_warps=_warps(block), PACKED=True,
+        **_launch(pdl),
     )  # fmt: skip
     return out
 
 
 def mean_pool(
-    hidden: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor | None = None
+    hidden: torch.Tensor,
+    lengths: torch.Tensor,
+    starts: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """float32 [B, H]: the mean of each row's first ``lengths`` states (0 -> zeros).
 
@@ -326,8 +377,9 @@ def mean_pool(
     out = torch.empty(batch, cols, dtype=torch.float32, device=hidden.device)
     grid = (batch, triton.cdiv(cols, 128))  # rows x column blocks: many programs
     _mean_pool_kernel[grid](
-        hidden, lengths, starts, out, cols, BLOCK_L=32, BLOCK_H=128, num_warps=4
-    )
+        hidden, lengths, starts, out, cols, BLOCK_L=32, BLOCK_H=128, num_warps=4,
+        **_launch(pdl),
+    )  # fmt: skip
     return out
 
 
@@ -340,8 +392,10 @@ def attention(
     block_m: int | None = None,
     starts: torch.Tensor | None = None,
     packed: bool = False,
+    pdl: bool = False,
 ) -> torch.Tensor:
-    """Attention output [tokens, H] from qkv [tokens, 3H]; lengths int32 [B] >= 1.
+    """Attention output [tokens, H] from qkv [tokens, 3H]; lengths [B] (a row
+    of length 0 attends to its first token, as if 1).
 
     Row b's tokens start at ``starts[b]`` (int32 [B + 1]; default b * L). Padded
     (tokens = B * L): every one of a row's L queries is computed, keys cut at
@@ -361,7 +415,7 @@ def attention(
     _attention_kernel[grid](
         qkv, lengths, starts, out, length, heads, math.log2(math.e) / math.sqrt(head),
         HEAD=head, BLOCK_M=block_m, BLOCK_N=64, num_warps=8 if block_m == 128 else 4,
-        num_stages=2, PACKED=packed,
+        num_stages=2, PACKED=packed, **_launch(pdl),
     )  # fmt: skip
     return out
 
@@ -378,7 +432,7 @@ def _attention_reference(
     """SDPA row by row: what the kernel computes, slowly, on any device."""
     head = qkv.shape[1] // (3 * heads)
     for row in range(len(lengths)):
-        first, keys = int(starts[row]), int(lengths[row])
+        first, keys = int(starts[row]), max(int(lengths[row]), 1)
         queries = keys if packed else length
         rows = qkv[first : first + queries].view(queries, 3, heads, head)
         q, k, v = rows.permute(1, 2, 0, 3)
@@ -408,6 +462,7 @@ def linear(
     bias: torch.Tensor | None,
     activation: int = ACT_NONE,
     config: LinearConfig | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """act(x W^T + b) for x [M, K], weight [N, K] (nn.Linear's layout).
 
@@ -442,7 +497,7 @@ def linear(
         k // config.split,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         ACT=activation, SPLIT=config.split,
-        num_warps=config.warps, num_stages=config.stages,
+        num_warps=config.warps, num_stages=config.stages, **_launch(pdl),
     )  # fmt: skip
     return out
 
@@ -454,6 +509,7 @@ def add_layer_norm_partials(
     weight: torch.Tensor,
     ln_bias: torch.Tensor,
     eps: float,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """LayerNorm(sum(partials) + bias + residual): the end of a split-K linear
     [split, M, N] float32, the residual [M, N], out in the residual's dtype."""
@@ -468,6 +524,7 @@ def add_layer_norm_partials(
     _partials_layer_norm_kernel[(triton.cdiv(rows, per),)](
         partials, bias, residual, weight, ln_bias, out, rows, cols, eps,
         SPLIT=split, ROWS=per, BLOCK=block, num_warps=_warps(per * block),
+        **_launch(pdl),
     )  # fmt: skip
     return out
 
@@ -515,12 +572,30 @@ SMALL_LINEAR: dict[tuple[str, int], list[tuple[int, LinearConfig]]] = {
 }
 
 
+# Where cuBLAS won alone by a little (its kernels launch without a programmatic
+# dependency, so the chain of dependent launches breaks at them), the best
+# tiles of the same measurements: used only when the forward launches its
+# kernels dependent (``chained``); benchmarks/small_batch.py measures both.
+CHAINED_LINEAR: dict[tuple[str, int], list[tuple[int, LinearConfig]]] = {
+    ("qkv", 768): [
+        (16, LinearConfig(16, 32, 64, 1)),
+        (64, LinearConfig(64, 32, 64, 1)),
+        (128, LinearConfig(64, 64, 64, 1)),
+    ],
+    ("ffn_in", 768): [
+        (16, LinearConfig(16, 32, 64, 1)),
+        (64, LinearConfig(64, 32, 64, 1)),
+        (128, LinearConfig(64, 64, 64, 1)),
+    ],
+}
+
+
 def small_linear_plan(
-    weight: torch.Tensor, tokens: int, hidden: int, inner: int
+    weight: torch.Tensor, tokens: int, hidden: int, inner: int, chained: bool = False
 ) -> dict[str, LinearConfig]:
     """projection -> tiles, for the projections ``linear`` runs faster than
     cuBLAS at this many tokens (empty off Hopper, without Triton, or for
-    sizes never measured)."""
+    sizes never measured); ``chained``: also those of CHAINED_LINEAR."""
     if not (use_triton(weight) and weight.is_cuda):
         return {}
     if torch.cuda.get_device_capability(weight.device) != (9, 0):
@@ -528,7 +603,10 @@ def small_linear_plan(
     plan = {}
     for name in ("qkv", "out", "ffn_in", "ffn_out"):
         k = inner if name == "ffn_out" else hidden
-        for limit, config in SMALL_LINEAR.get((name, hidden), []):
+        table = SMALL_LINEAR.get((name, hidden), [])
+        if chained and not table:
+            table = CHAINED_LINEAR.get((name, hidden), [])
+        for limit, config in table:
             if tokens <= limit:
                 if config.fits(k):
                     plan[name] = config

@@ -6,6 +6,8 @@
 # Results and logs go to $OUT (default ./gpu_out):
 #   setup.log          GPU, driver, clocks as found; versions; build output
 #   gpu_tests.log      pytest -m gpu (every test file that uses the marker)
+#   small_batch.log    benchmarks/small_batch.py (dependent launches against
+#                      classic ones at small batches); small_batch_h200.json
 #   engine_bench.log   benchmarks/engine.py; its JSON in engine_h200.json;
 #                      smi.log: clocks, power, throttling while it ran
 #   quant_gpu.log      benchmarks/quant_gpu.py, when that file exists, last, in
@@ -16,7 +18,7 @@
 #                      E2E_ARGS replaces its other arguments
 #   latency.log        benchmarks/latency.py: a request's time by hop at low
 #                      load, BERT-base, 1 gateway + 1 batcher, then the defaults
-# STAGES picks stages (default "tests bench quant"; "e2e" and "latency" run
+# STAGES picks stages (default "tests small bench quant"; "e2e" and "latency" run
 # the stack);
 # BENCH_ARGS goes to benchmarks/engine.py (e.g. "--quick --models bert-base").
 #
@@ -29,7 +31,7 @@
 # The GPU's clocks, power limit and MIG layout are only read, never set.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}
-STAGES=${STAGES:-tests bench quant}
+STAGES=${STAGES:-tests small bench quant}
 export OUT PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export PYTHONPATH=/tmp/site  # the carried wheels, installed below
 export BERTH_TEST_LOGS=$OUT     # logs of the stacks tests and benchmarks start
@@ -57,6 +59,13 @@ if [[ " $STAGES " == *" tests "* ]]; then
   echo "gpu tests: exit $?"
   grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|cosine|top-1|utilization" \
     "$OUT/gpu_tests.log" | tail -n 40
+fi
+
+if [[ " $STAGES " == *" small "* ]]; then
+  timeout 240 $PY benchmarks/small_batch.py --out "$OUT/small_batch_h200.json" \
+    > "$OUT/small_batch.log" 2>&1
+  echo "small-batch benchmark: exit $?"
+  grep -v "^20..-" "$OUT/small_batch.log" | tail -n 16
 fi
 
 if [[ " $STAGES " == *" bench "* ]]; then

@@ -21,7 +21,7 @@ import torch
 
 from engine.cuda_graphs import PACK_MIN_TOKENS, packed_tokens, token_ladder
 from engine.fused import FusedForward
-from engine.kernels import LinearConfig, small_linear_plan
+from engine.kernels import LinearConfig, attention, small_linear_plan
 from engine.torch_backend import TorchBackend
 
 LENGTHS = [9, 1, 0, 16, 5, 0, 12]
@@ -105,3 +105,14 @@ def test_few_token_gemm_plan_equals_cublas_path(
 def test_few_token_plan_is_empty_off_the_gpu(backend: TorchBackend) -> None:
     weight = backend.model("minilm").encoder.embeddings.word.weight
     assert small_linear_plan(weight, 128, 384, 1536) == {}
+
+
+def test_attention_reads_an_empty_row_as_one_token() -> None:
+    """A batch's padding rows have length 0; the attention kernel takes the
+    raw lengths (no clamp kernel in the graph) and reads 0 as 1 key."""
+    generator = torch.Generator().manual_seed(3)
+    qkv = torch.randn(3 * 8, 3 * 2 * 16, generator=generator)
+    empty = attention(qkv, torch.tensor([8, 0, 5]), 3, 8, 2)
+    one = attention(qkv, torch.tensor([8, 1, 5], dtype=torch.int32), 3, 8, 2)
+    assert torch.isfinite(empty).all()
+    torch.testing.assert_close(empty, one)

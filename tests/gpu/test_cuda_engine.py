@@ -6,6 +6,7 @@ References are float32 CPU outputs (tests/gpu/reference.py).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import torch
 
 from engine.cuda_backend import CudaBackend, collect
 from engine.cuda_graphs import bucket_shapes, packed_tokens
+from engine.fused import FusedForward
 from tests.gpu.reference import Fixtures, fixtures, padded_batches
 
 pytestmark = [
@@ -386,3 +388,42 @@ def test_few_token_gemms_match_cublas(backend: CudaBackend) -> None:
     print(f"few-token GEMMs vs cuBLAS: max {np.abs(planned - cublas).max():.2e}")
     assert cosine(planned, cublas).min() > 0.99999
     np.testing.assert_allclose(planned, cublas, rtol=1e-2, atol=5e-3)
+
+
+def test_dependent_launches_replay_alike(backend: CudaBackend) -> None:
+    """On Hopper the fused forward's Triton kernels launch while their
+    predecessor runs, each program waiting for its writes first: a missing
+    wait would be a race, which shows as replays that differ from each other
+    or from the classic launches."""
+    runner = backend.runner("minilm")
+    if not runner.forward.pdl:
+        pytest.skip("dependent launches need Hopper or later")
+    classic = FusedForward(runner.forward.served, pdl=False)
+    assert not classic.pdl
+    for rows, length in [(1, 128), (8, 64), (1, 512), (64, 128)]:
+        ids, lengths = random_batch(rows, length, runner.vocab, seed=rows * length)
+        args = ("minilm", ids.tobytes(), lengths.tobytes(), rows, length)
+        first = backend.run_bytes(*args)[0].copy()
+        for _ in range(100):
+            np.testing.assert_array_equal(backend.run_bytes(*args)[0], first)
+        tokens = runner.graphs.tokens_for(rows, length, packed_tokens(lengths, rows))
+        with torch.inference_mode(), torch.cuda.stream(runner.stream):
+            ids_d, lengths_d = torch.from_numpy(ids).cuda(), torch.from_numpy(lengths)
+            reference = classic(ids_d, lengths_d.cuda(), tokens).cpu().numpy()
+        worst = cosine(first, reference).min()
+        print(f"{rows}x{length}: dependent vs classic launches, min cosine {worst:.7f}")
+        assert worst > 0.99999
+
+
+def test_fp8_entry_serves_from_graphs(refs: Fixtures) -> None:
+    """quantize: fp8 swaps the encoder's linears for FP8 ones; the CUDA
+    backend's fused forward calls them as modules inside its graphs."""
+    entry = dataclasses.replace(refs.entries["minilm"], quantize="fp8")
+    cuda = CudaBackend("cuda:0")
+    cuda.load(entry)
+    cuda.warmup("minilm", bucket_shapes(entry.buckets, 32, TOKEN_BUDGET))
+    embeddings = run_all(cuda, "minilm", refs.text_ids, entry.buckets, 32)
+    cos = cosine(embeddings, refs.embeddings)
+    print(f"fp8 minilm vs fp32: cosine mean {cos.mean():.5f}, min {cos.min():.5f}")
+    assert cos.mean() >= 0.995
+    assert cos.min() >= 0.98
