@@ -14,11 +14,9 @@ modules and weights, in fewer passes over device memory (engine/kernels.py):
 - few tokens (a plan per token count, engine/kernels.SMALL_LINEAR): berth's
   Triton GEMM where it measured faster than cuBLAS, its split-K partials
   summed by the LayerNorm kernel;
-- on Hopper, every Triton kernel launched dependent on its predecessor
-  (``pdl``, engine/kernels.py: the launch overlaps the previous kernel's
-  tail), and at few tokens the QKV and FFN-in GEMMs in Triton too
-  (``chained``), so a layer is one unbroken chain. ``BERTH_PDL=0`` turns
-  both off.
+- on Hopper, at up to PDL_MAX_TOKENS tokens, every Triton kernel launched
+  dependent on its predecessor (``pdl``, engine/kernels.py: its launch
+  overlaps the previous kernel's tail); ``BERTH_PDL=0`` turns that off.
 
 Tokens are kept flat ([batch * length, hidden]) so every matmul is one 2-D
 GEMM with its bias in the epilogue. Packed (``tokens`` given): the rows'
@@ -50,6 +48,10 @@ ATTENTION_ENV = "BERTH_ATTENTION"
 ATTENTION_KINDS = ("flash", "triton", "sdpa")
 # BERTH_PDL=0: kernels launched the classic way (no dependent launches).
 PDL_ENV = "BERTH_PDL"
+# Dependent launches up to this many tokens a forward: H200, BERT-base, end
+# to end 1.05-1.23x at 16-256 tokens, 0.98x at 512, 0.99x at 1,024 (MiniLM
+# 1.07x at 128, 0.90x at 1,024): benchmarks/small_batch.py.
+PDL_MAX_TOKENS = 256
 
 
 def flash_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -99,9 +101,7 @@ class FusedForward:
         if pdl is None:
             pdl = os.environ.get(PDL_ENV, "1") not in ("0", "false")
         self.pdl = pdl and kernels.pdl_available(weight)
-        # Triton GEMMs where cuBLAS is only a little faster alone: an unbroken
-        # chain of dependent launches (benchmarks/small_batch.py).
-        self.chained = self.pdl
+        self.pdl_max_tokens = PDL_MAX_TOKENS
         self.kinds = self._available(weight)
         self.chosen: dict[tuple[int, int], str] = {}  # (batch, length) -> kind
         self._starts: dict[tuple[int, int], torch.Tensor] = {}
@@ -140,19 +140,24 @@ class FusedForward:
         kind = self.chosen.get((batch, length), self.kinds[0])
         if tokens is not None:
             return self._packed(ids, lengths, tokens, kind)
-        x = kernels.embed_layer_norm(emb, ids, self.pdl)
+        pdl = self._dependent(ids.numel())
+        x = kernels.embed_layer_norm(emb, ids, pdl)
         keys = self._keys(kind, lengths, batch, length)
         for layer in self.layers:
             x = self._layer(layer, x, batch, length, keys)
         hidden = x.view(batch, length, -1)
         if self.mean and kernels.use_triton(x):  # rows start at b * L
             starts = self._row_starts(batch, length, x.device)
-            pooled = mean_pool(x, lengths, starts, self.pdl)
+            pooled = mean_pool(x, lengths, starts, pdl)
         elif self.mean:
             pooled = mean_pool(hidden, lengths)
         else:
             pooled = self.served.pooling(hidden, lengths)
         return self.served.post(pooled)
+
+    def _dependent(self, tokens: int) -> bool:
+        """Whether this many tokens' kernels launch dependent (PDL_MAX_TOKENS)."""
+        return self.pdl and tokens <= self.pdl_max_tokens
 
     def packs(self, batch: int, length: int) -> bool:
         """Whether this shape can run packed: its attention kernel takes row
@@ -170,14 +175,15 @@ class FusedForward:
             raise ValueError(f"attention {kind!r} cannot run packed rows")
         used = lengths.clamp(min=1).to(torch.int32)
         starts = _packed_starts(used)
+        pdl = self._dependent(tokens)
         x = kernels.embed_packed(
-            self.encoder.embeddings, ids, used, starts, tokens, self.pdl
+            self.encoder.embeddings, ids, used, starts, tokens, pdl
         )
         keys = (kind, (used, starts), True)
         for layer in self.layers:
             x = self._layer(layer, x, batch, length, keys)
         if self.mean:
-            pooled = mean_pool(x, lengths, starts, self.pdl)
+            pooled = mean_pool(x, lengths, starts, pdl)
         else:  # CLS: each row's first token
             pooled = x[starts[:-1].long()].float()
         return self.served.post(pooled)
@@ -241,7 +247,7 @@ class FusedForward:
         elif "qkv" in plan:
             qkv = kernels.linear(
                 x, attention.qkv.weight, attention.qkv.bias, config=plan["qkv"],
-                pdl=self.pdl,
+                pdl=self._dependent(len(x)),
             )  # fmt: skip
         else:
             qkv = F.linear(x, attention.qkv.weight, attention.qkv.bias)
@@ -258,9 +264,8 @@ class FusedForward:
             weight = self.encoder.embeddings.word.weight
             config = self.encoder.config
             self._plans[tokens] = kernels.small_linear_plan(
-                weight, tokens, config.hidden_size, config.intermediate_size,
-                self.chained,
-            )  # fmt: skip
+                weight, tokens, config.hidden_size, config.intermediate_size
+            )
         return self._plans[tokens]
 
     def _project_norm(
@@ -272,23 +277,19 @@ class FusedForward:
         tiles: kernels.LinearConfig | None,
     ) -> torch.Tensor:
         """LayerNorm(x W^T + b + residual)."""
+        pdl = self._dependent(len(x))
         if not isinstance(linear, nn.Linear):  # a quantized layer (FP8)
             out = linear(x)
         elif tiles is None:
             out = F.linear(x, linear.weight, linear.bias)
         elif tiles.split > 1:  # float32 partials, summed by the LayerNorm kernel
-            part = kernels.linear(x, linear.weight, None, config=tiles, pdl=self.pdl)
+            part = kernels.linear(x, linear.weight, None, config=tiles, pdl=pdl)
             return add_layer_norm_partials(
-                part, linear.bias, residual, norm.weight, norm.bias, self.eps,
-                self.pdl,
-            )  # fmt: skip
-        else:
-            out = kernels.linear(
-                x, linear.weight, linear.bias, config=tiles, pdl=self.pdl
+                part, linear.bias, residual, norm.weight, norm.bias, self.eps, pdl
             )
-        return add_layer_norm(
-            out, residual, norm.weight, norm.bias, self.eps, pdl=self.pdl
-        )
+        else:
+            out = kernels.linear(x, linear.weight, linear.bias, config=tiles, pdl=pdl)
+        return add_layer_norm(out, residual, norm.weight, norm.bias, self.eps, pdl=pdl)
 
     def _attend(
         self, qkv: torch.Tensor, batch: int, length: int, keys: tuple[str, Any, bool]
@@ -299,7 +300,7 @@ class FusedForward:
             used, starts = cut
             return kernels.attention(
                 qkv, used, batch, length, self.heads, starts=starts, packed=packed,
-                pdl=self.pdl,
+                pdl=self._dependent(tokens),
             )  # fmt: skip
         if kind == "flash":
             used, starts = cut
@@ -324,8 +325,9 @@ class FusedForward:
         if not isinstance(linear, nn.Linear):  # a quantized layer (FP8)
             return layer.act(linear(x))
         if tiles is not None:
+            pdl = self._dependent(len(x))
             return kernels.linear(
-                x, linear.weight, linear.bias, self.plan_act, tiles, self.pdl
+                x, linear.weight, linear.bias, self.plan_act, tiles, pdl
             )
         if self.activation == "relu":
             return torch._addmm_activation(

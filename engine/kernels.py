@@ -572,30 +572,12 @@ SMALL_LINEAR: dict[tuple[str, int], list[tuple[int, LinearConfig]]] = {
 }
 
 
-# Where cuBLAS won alone by a little (its kernels launch without a programmatic
-# dependency, so the chain of dependent launches breaks at them), the best
-# tiles of the same measurements: used only when the forward launches its
-# kernels dependent (``chained``); benchmarks/small_batch.py measures both.
-CHAINED_LINEAR: dict[tuple[str, int], list[tuple[int, LinearConfig]]] = {
-    ("qkv", 768): [
-        (16, LinearConfig(16, 32, 64, 1)),
-        (64, LinearConfig(64, 32, 64, 1)),
-        (128, LinearConfig(64, 64, 64, 1)),
-    ],
-    ("ffn_in", 768): [
-        (16, LinearConfig(16, 32, 64, 1)),
-        (64, LinearConfig(64, 32, 64, 1)),
-        (128, LinearConfig(64, 64, 64, 1)),
-    ],
-}
-
-
 def small_linear_plan(
-    weight: torch.Tensor, tokens: int, hidden: int, inner: int, chained: bool = False
+    weight: torch.Tensor, tokens: int, hidden: int, inner: int
 ) -> dict[str, LinearConfig]:
     """projection -> tiles, for the projections ``linear`` runs faster than
     cuBLAS at this many tokens (empty off Hopper, without Triton, or for
-    sizes never measured); ``chained``: also those of CHAINED_LINEAR."""
+    sizes never measured)."""
     if not (use_triton(weight) and weight.is_cuda):
         return {}
     if torch.cuda.get_device_capability(weight.device) != (9, 0):
@@ -603,10 +585,7 @@ def small_linear_plan(
     plan = {}
     for name in ("qkv", "out", "ffn_in", "ffn_out"):
         k = inner if name == "ffn_out" else hidden
-        table = SMALL_LINEAR.get((name, hidden), [])
-        if chained and not table:
-            table = CHAINED_LINEAR.get((name, hidden), [])
-        for limit, config in table:
+        for limit, config in SMALL_LINEAR.get((name, hidden), []):
             if tokens <= limit:
                 if config.fits(k):
                     plan[name] = config

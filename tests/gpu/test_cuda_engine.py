@@ -391,10 +391,11 @@ def test_few_token_gemms_match_cublas(backend: CudaBackend) -> None:
 
 
 def test_dependent_launches_replay_alike(backend: CudaBackend) -> None:
-    """On Hopper the fused forward's Triton kernels launch while their
+    """On Hopper a few-token forward's Triton kernels launch while their
     predecessor runs, each program waiting for its writes first: a missing
     wait would be a race, which shows as replays that differ from each other
-    or from the classic launches."""
+    or from the classic launches. (64 x 128 is over PDL_MAX_TOKENS: the
+    classic launches compared with themselves, as a control.)"""
     runner = backend.runner("minilm")
     if not runner.forward.pdl:
         pytest.skip("dependent launches need Hopper or later")
@@ -410,7 +411,9 @@ def test_dependent_launches_replay_alike(backend: CudaBackend) -> None:
         with torch.inference_mode(), torch.cuda.stream(runner.stream):
             ids_d, lengths_d = torch.from_numpy(ids).cuda(), torch.from_numpy(lengths)
             reference = classic(ids_d, lengths_d.cuda(), tokens).cpu().numpy()
-        worst = cosine(first, reference).min()
+        live = lengths > 0  # empty rows are zeros in both
+        np.testing.assert_array_equal(first[~live], reference[~live])
+        worst = cosine(first[live], reference[live]).min()
         print(f"{rows}x{length}: dependent vs classic launches, min cosine {worst:.7f}")
         assert worst > 0.99999
 
