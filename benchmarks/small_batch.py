@@ -8,18 +8,10 @@ CudaBackends on the same random-weight models and inputs:
 
 - classic: every kernel launched the classic way (``pdl=False``), the
   baseline;
-- pdl: berth's Triton kernels launched dependent in forwards of up to
-  engine.fused.PDL_MAX_TOKENS tokens (cuBLAS's GEMMs launch the classic
-  way: a chain breaks at them);
-- pdl+prefetch: the default on Hopper: pdl, and each GEMM's weights pulled
-  into L2 before the kernel waits (by the LayerNorm before a cuBLAS GEMM,
-  by a Triton GEMM's own programs), so they stream while the previous
-  kernel runs;
-- all: pdl+prefetch at every token count (what set that limit).
-
-Attention is berth's Triton kernel in every variant (BERTH_ATTENTION=triton;
-the per-shape choice by timing at capture can differ between backends and
-blur the comparison).
+- pdl: the default on Hopper: berth's Triton kernels launched dependent in
+  forwards of up to engine.fused.PDL_MAX_TOKENS tokens (cuBLAS's GEMMs
+  launch the classic way: a chain breaks at them);
+- pdl-all: dependent launches at every token count (what set that limit).
 
 Per shape: end to end (wire bytes to pinned float32 output, host work
 included) and graph-only milliseconds, medians of CUDA-event timings over
@@ -35,7 +27,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -51,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.engine import inputs, time_calls, write_checkpoint  # noqa: E402
 from engine.cuda_backend import CudaBackend  # noqa: E402
 
-VARIANTS = ("classic", "pdl", "pdl+prefetch", "all")
+VARIANTS = ("classic", "pdl", "pdl-all")
 SHAPES = {
     "bert-base": [
         *((1, n) for n in (16, 32, 64, 128, 256, 512)),
@@ -64,10 +55,8 @@ SHAPES = {
 def backend(variant: str, entry: Any, shapes: list[tuple[int, int]]) -> CudaBackend:
     cuda = CudaBackend("cuda:0", pdl=variant != "classic")
     cuda.load(entry)
-    forward = cuda.runner(entry.name).forward
-    forward.prefetch = variant in ("pdl+prefetch", "all")
-    if variant == "all":
-        forward.pdl_max_tokens = 1 << 30
+    if variant == "pdl-all":
+        cuda.runner(entry.name).forward.pdl_max_tokens = 1 << 30
     cuda.warmup(entry.name, shapes)
     return cuda
 
@@ -93,7 +82,7 @@ def bench_shape(
     outputs = {v: cuda.run_bytes(*args)[0].copy() for v, cuda in backends.items()}
     row: dict[str, Any] = {"model": name, "batch": batch, "length": length}
     for variant in backends:
-        key = variant.replace("+", "_")
+        key = variant.replace("-", "_")
         row[f"{key}_ms"] = round(statistics.median(e2e[variant]), 4)
         row[f"{key}_graph_ms"] = round(statistics.median(graph[variant]), 4)
         diff = np.abs(outputs[variant] - outputs["classic"]).max()
@@ -105,17 +94,17 @@ def line(row: dict[str, Any]) -> str:
     base = row["classic_ms"]
     cells = [f"{row['model']:9} {row['batch']:5d} {row['length']:5d}"]
     for variant in VARIANTS:
-        key = variant.replace("+", "_")
+        key = variant.replace("-", "_")
         ms, graph = row[f"{key}_ms"], row[f"{key}_graph_ms"]
         cells.append(f"{ms:7.3f} {graph:7.3f} {base / ms:5.2f}x")
-    cells.append(f"{row['pdl_prefetch_max_diff']:9.2e}")
+    cells.append(f"{row['pdl_max_diff']:9.2e}")
     return " | ".join(cells)
 
 
 HEADER = (
     f"{'model':9} {'batch':>5} {'len':>5} | "
     + " | ".join(f"{v:>21}" for v in VARIANTS)
-    + " | diff"
+    + " | pdl diff"
 )
 
 
@@ -125,7 +114,6 @@ def main() -> None:
     parser.add_argument("--models", default="bert-base,minilm")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    os.environ["BERTH_ATTENTION"] = "triton"
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_properties(0).name,
         "date": datetime.date.today().isoformat(),
@@ -134,7 +122,7 @@ def main() -> None:
     }
     print(
         "per variant: ms end to end, graph ms, end-to-end ratio against classic "
-        "(>1: faster); diff: pdl+prefetch's largest output difference from classic's"
+        "(>1: faster); pdl diff: pdl's largest output difference from classic's"
     )
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):

@@ -102,9 +102,6 @@ class FusedForward:
             pdl = os.environ.get(PDL_ENV, "1") not in ("0", "false")
         self.pdl = pdl and kernels.pdl_available(weight)
         self.pdl_max_tokens = PDL_MAX_TOKENS
-        # With dependent launches: each GEMM's weights pulled into L2 by the
-        # kernel before it (or by its own programs) while the chain runs.
-        self.prefetch = self.pdl
         self.kinds = self._available(weight)
         self.chosen: dict[tuple[int, int], str] = {}  # (batch, length) -> kind
         self._starts: dict[tuple[int, int], torch.Tensor] = {}
@@ -146,7 +143,8 @@ class FusedForward:
         pdl = self._dependent(ids.numel())
         x = kernels.embed_layer_norm(emb, ids, pdl)
         keys = self._keys(kind, lengths, batch, length)
-        x = self._encode(x, batch, length, keys)
+        for layer in self.layers:
+            x = self._layer(layer, x, batch, length, keys)
         hidden = x.view(batch, length, -1)
         if self.mean and kernels.use_triton(x):  # rows start at b * L
             starts = self._row_starts(batch, length, x.device)
@@ -182,7 +180,8 @@ class FusedForward:
             self.encoder.embeddings, ids, used, starts, tokens, pdl
         )
         keys = (kind, (used, starts), True)
-        x = self._encode(x, batch, length, keys)
+        for layer in self.layers:
+            x = self._layer(layer, x, batch, length, keys)
         if self.mean:
             pooled = mean_pool(x, lengths, starts, pdl)
         else:  # CLS: each row's first token
@@ -233,15 +232,6 @@ class FusedForward:
             return kind, (lengths, starts), False
         return kind, (lengths.clamp(min=1).to(torch.int32), starts), False
 
-    def _encode(
-        self, x: torch.Tensor, batch: int, length: int, keys: tuple[str, Any, bool]
-    ) -> torch.Tensor:
-        """Every layer in turn, each told the next (whose weights it prefetches)."""
-        following: list[EncoderLayer | None] = [*self.layers[1:], None]
-        for layer, after in zip(self.layers, following, strict=True):
-            x = self._layer(layer, x, batch, length, keys, after)
-        return x
-
     def _layer(
         self,
         layer: EncoderLayer,
@@ -249,39 +239,24 @@ class FusedForward:
         batch: int,
         length: int,
         keys: tuple[str, Any, bool],
-        following: EncoderLayer | None = None,
     ) -> torch.Tensor:
         attention = layer.attention
         plan = self._plan(x.shape[0])
-        pdl = self._dependent(len(x))
         if not isinstance(attention.qkv, nn.Linear):  # a quantized layer (FP8)
             qkv = attention.qkv(x)
         elif "qkv" in plan:
             qkv = kernels.linear(
                 x, attention.qkv.weight, attention.qkv.bias, config=plan["qkv"],
-                pdl=pdl, prefetch=self.prefetch,
+                pdl=self._dependent(len(x)),
             )  # fmt: skip
         else:
             qkv = F.linear(x, attention.qkv.weight, attention.qkv.bias)
         context = self._attend(qkv, batch, length, keys)
-        # The LayerNorms pull the next cuBLAS GEMM's weights into L2.
-        ahead = None if "ffn_in" in plan else self._weight(layer.ffn_in)
-        x = self._project_norm(
-            context, attention.out, x, layer.norm1, plan.get("out"), ahead
-        )
+        x = self._project_norm(context, attention.out, x, layer.norm1, plan.get("out"))
         inner = self._ffn_in(layer, x, plan.get("ffn_in"))
-        ahead = None
-        if following is not None and "qkv" not in plan:
-            ahead = self._weight(following.attention.qkv)
         return self._project_norm(
-            inner, layer.ffn_out, x, layer.norm2, plan.get("ffn_out"), ahead
+            inner, layer.ffn_out, x, layer.norm2, plan.get("ffn_out")
         )
-
-    def _weight(self, linear: nn.Module) -> torch.Tensor | None:
-        """A GEMM's weights to prefetch (an FP8 layer's stay where they are)."""
-        if self.prefetch and isinstance(linear, nn.Linear):
-            return linear.weight
-        return None
 
     def _plan(self, tokens: int) -> dict[str, kernels.LinearConfig]:
         """Which projections run berth's few-token GEMM at this many tokens."""
@@ -300,30 +275,21 @@ class FusedForward:
         residual: torch.Tensor,
         norm: nn.LayerNorm,
         tiles: kernels.LinearConfig | None,
-        ahead: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """LayerNorm(x W^T + b + residual); ``ahead``: weights to pull into L2."""
+        """LayerNorm(x W^T + b + residual)."""
         pdl = self._dependent(len(x))
-        prefetch = self.prefetch
         if not isinstance(linear, nn.Linear):  # a quantized layer (FP8)
             out = linear(x)
         elif tiles is None:
             out = F.linear(x, linear.weight, linear.bias)
         elif tiles.split > 1:  # float32 partials, summed by the LayerNorm kernel
-            part = kernels.linear(
-                x, linear.weight, None, config=tiles, pdl=pdl, prefetch=prefetch
-            )
+            part = kernels.linear(x, linear.weight, None, config=tiles, pdl=pdl)
             return add_layer_norm_partials(
-                part, linear.bias, residual, norm.weight, norm.bias, self.eps, pdl,
-                ahead,
-            )  # fmt: skip
-        else:
-            out = kernels.linear(
-                x, linear.weight, linear.bias, config=tiles, pdl=pdl, prefetch=prefetch
+                part, linear.bias, residual, norm.weight, norm.bias, self.eps, pdl
             )
-        return add_layer_norm(
-            out, residual, norm.weight, norm.bias, self.eps, pdl=pdl, ahead=ahead
-        )
+        else:
+            out = kernels.linear(x, linear.weight, linear.bias, config=tiles, pdl=pdl)
+        return add_layer_norm(out, residual, norm.weight, norm.bias, self.eps, pdl=pdl)
 
     def _attend(
         self, qkv: torch.Tensor, batch: int, length: int, keys: tuple[str, Any, bool]
@@ -361,7 +327,7 @@ class FusedForward:
         if tiles is not None:
             pdl = self._dependent(len(x))
             return kernels.linear(
-                x, linear.weight, linear.bias, self.plan_act, tiles, pdl, self.prefetch
+                x, linear.weight, linear.bias, self.plan_act, tiles, pdl
             )
         if self.activation == "relu":
             return torch._addmm_activation(

@@ -79,25 +79,6 @@ def _launch(pdl: bool) -> dict[str, bool]:
     return {"GDC": True, "launch_pdl": True} if pdl else {"GDC": False}
 
 
-PREFETCH_PIECE = 4096  # bytes one L2 prefetch instruction asks for
-
-
-def _ahead(weight: torch.Tensor | None, programs: int, pdl: bool) -> dict[str, int]:
-    """Launch arguments for a kernel's programs to pull ``weight`` into L2
-    before they wait on the previous kernel (dependent launches only): the
-    weights of the GEMM that reads them next, streamed from HBM while the
-    chain's previous kernel still runs. Each program takes an equal share."""
-    if not pdl or weight is None or not weight.is_contiguous():
-        return {"ahead_bytes": 0, "ahead_share": 0, "AHEAD": 0}
-    size = weight.numel() * weight.element_size()
-    if size % 16 or weight.data_ptr() % 16:  # bulk prefetches: 16-byte units
-        return {"ahead_bytes": 0, "ahead_share": 0, "AHEAD": 0}
-    share = -(-size // programs)
-    share = -(-share // 16) * 16
-    pieces = triton.next_power_of_2(-(-share // PREFETCH_PIECE))
-    return {"ahead_bytes": size, "ahead_share": share, "AHEAD": pieces}
-
-
 if triton is not None:
 
     @triton.jit
@@ -109,36 +90,10 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
-    def _prefetch(ptr, ahead_bytes, ahead_share, AHEAD: tl.constexpr):  # type: ignore[no-untyped-def]
-        # This program's share of ahead_bytes at ptr into L2, in pieces of
-        # 4,096 bytes (PREFETCH_PIECE), before the kernel waits (see _ahead).
-        if AHEAD > 0:
-            program = tl.program_id(0) + tl.num_programs(0) * (
-                tl.program_id(1) + tl.num_programs(1) * tl.program_id(2)
-            )
-            start = program.to(tl.int64) * ahead_share
-            end = tl.minimum(start + ahead_share, ahead_bytes)
-            at = start + tl.arange(0, AHEAD).to(tl.int64) * 4096
-            size = tl.minimum(end - at, 4096)
-            live = size > 0
-            where = ptr.to(tl.pointer_type(tl.int8)) + tl.where(live, at, 0)
-            tl.inline_asm_elementwise(
-                "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
-                "=r,l,r",
-                [where, tl.where(live, size, 16).to(tl.int32)],
-                dtype=tl.int32,
-                is_pure=False,
-                pack=1,
-            )
-
-    @triton.jit
     def _add_layer_norm_kernel(  # type: ignore[no-untyped-def]
         x_ptr, r_ptr, w_ptr, b_ptr, out_ptr, n_rows, n_cols, eps,
-        ahead_ptr, ahead_bytes, ahead_share,
         ROWS: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr,
-        AHEAD: tl.constexpr,
     ):  # fmt: skip
-        _prefetch(ahead_ptr, ahead_bytes, ahead_share, AHEAD)
         _chain(GDC)
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK)
@@ -260,13 +215,10 @@ if triton is not None:
     def _linear_kernel(  # type: ignore[no-untyped-def]
         x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, k_slice,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        ahead_bytes, ahead_share,
         ACT: tl.constexpr, SPLIT: tl.constexpr, GDC: tl.constexpr,
-        AHEAD: tl.constexpr,
     ):  # fmt: skip
         # out [M, N] = act(x [M, K] @ w [N, K]^T + b); with SPLIT > 1, program
         # (m, n, s) writes the float32 partial of K slice s to out [s, M, N].
-        _prefetch(w_ptr, ahead_bytes, ahead_share, AHEAD)  # its own weights
         _chain(GDC)
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -303,11 +255,8 @@ if triton is not None:
     @triton.jit
     def _partials_layer_norm_kernel(  # type: ignore[no-untyped-def]
         p_ptr, bias_ptr, r_ptr, w_ptr, b_ptr, out_ptr, n_rows, n_cols, eps,
-        ahead_ptr, ahead_bytes, ahead_share,
-        SPLIT: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-        GDC: tl.constexpr, AHEAD: tl.constexpr,
+        SPLIT: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr,
     ):  # fmt: skip
-        _prefetch(ahead_ptr, ahead_bytes, ahead_share, AHEAD)
         _chain(GDC)
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK)
@@ -336,23 +285,19 @@ def add_layer_norm(
     eps: float,
     rows_per_program: int | None = None,
     pdl: bool = False,
-    ahead: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """LayerNorm(x + residual) over rows of a contiguous [tokens, hidden].
 
-    Several rows per program once there are many: fewer, fuller programs.
-    ``ahead``: the next GEMM's weights, pulled into L2 (with ``pdl``)."""
+    Several rows per program once there are many: fewer, fuller programs."""
     if not use_triton(x):
         return F.layer_norm(x + residual, x.shape[-1:], weight, bias, eps)
     rows, cols = x.shape
     per = rows_per_program or (LN_ROWS if rows >= 2048 else 1)
     out = torch.empty_like(x)
     block = triton.next_power_of_2(cols)
-    programs = triton.cdiv(rows, per)
-    _add_layer_norm_kernel[(programs,)](
-        x, residual, weight, bias, out, rows, cols, eps, x if ahead is None else ahead,
+    _add_layer_norm_kernel[(triton.cdiv(rows, per),)](
+        x, residual, weight, bias, out, rows, cols, eps,
         ROWS=per, BLOCK=block, num_warps=_warps(per * block), **_launch(pdl),
-        **_ahead(ahead, programs, pdl),
     )  # fmt: skip
     return out
 
@@ -518,12 +463,8 @@ def linear(
     activation: int = ACT_NONE,
     config: LinearConfig | None = None,
     pdl: bool = False,
-    prefetch: bool = False,
 ) -> torch.Tensor:
     """act(x W^T + b) for x [M, K], weight [N, K] (nn.Linear's layout).
-
-    ``prefetch`` (with ``pdl``): the programs pull the weights into L2
-    before they wait on the previous kernel.
 
     With ``config.split`` > 1: float32 partial products [split, M, N], no bias,
     no activation, for :func:`add_layer_norm_partials` to finish."""
@@ -557,7 +498,6 @@ def linear(
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         ACT=activation, SPLIT=config.split,
         num_warps=config.warps, num_stages=config.stages, **_launch(pdl),
-        **_ahead(weight if prefetch else None, math.prod(grid), pdl),
     )  # fmt: skip
     return out
 
@@ -570,11 +510,9 @@ def add_layer_norm_partials(
     ln_bias: torch.Tensor,
     eps: float,
     pdl: bool = False,
-    ahead: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """LayerNorm(sum(partials) + bias + residual): the end of a split-K linear
-    [split, M, N] float32, the residual [M, N], out in the residual's dtype;
-    ``ahead`` as in :func:`add_layer_norm`."""
+    [split, M, N] float32, the residual [M, N], out in the residual's dtype."""
     if not use_triton(residual):
         x = partials.sum(0) + bias.float() + residual.float()
         y = F.layer_norm(x, x.shape[-1:], weight.float(), ln_bias.float(), eps)
@@ -583,12 +521,10 @@ def add_layer_norm_partials(
     per = LN_ROWS if rows >= 2048 else 1
     out = torch.empty_like(residual)
     block = triton.next_power_of_2(cols)
-    programs = triton.cdiv(rows, per)
-    _partials_layer_norm_kernel[(programs,)](
+    _partials_layer_norm_kernel[(triton.cdiv(rows, per),)](
         partials, bias, residual, weight, ln_bias, out, rows, cols, eps,
-        residual if ahead is None else ahead,
         SPLIT=split, ROWS=per, BLOCK=block, num_warps=_warps(per * block),
-        **_launch(pdl), **_ahead(ahead, programs, pdl),
+        **_launch(pdl),
     )  # fmt: skip
     return out
 
