@@ -13,6 +13,10 @@ CudaBackends on the same random-weight models and inputs:
   launch the classic way: a chain breaks at them);
 - pdl-all: dependent launches at every token count (what set that limit).
 
+Attention is berth's Triton kernel in every variant (BERTH_ATTENTION=triton;
+the per-shape choice by timing at capture can differ between backends and
+blur the comparison).
+
 Per shape: end to end (wire bytes to pinned float32 output, host work
 included) and graph-only milliseconds, medians of CUDA-event timings over
 rounds that alternate the variants (the card's clocks drift under its power
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -114,6 +119,7 @@ def main() -> None:
     parser.add_argument("--models", default="bert-base,minilm")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
+    os.environ["BERTH_ATTENTION"] = "triton"
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_properties(0).name,
         "date": datetime.date.today().isoformat(),
