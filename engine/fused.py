@@ -191,10 +191,17 @@ class FusedForward:
     def choose_attention(self, batch: int, length: int, packed: bool = False) -> str:
         """The faster attention kernel for this shape, timed on the current stream
         (random inputs, lengths in (L/2, L]; rows packed as the graph will run
-        them when ``packed``); remembered for the graphs."""
+        them when ``packed``); remembered for the graphs. Shapes whose kernels
+        launch dependent take berth's Triton kernel untimed: it waits inside
+        the chain, where flash's classic launch breaks it (alone the two are
+        within noise at such shapes, and timing picked flash on some; in the
+        graph flash cost BERT-base 1 x 128 ~10 %, benchmarks/small_batch.py)."""
         if len(self.kinds) == 1:
             self.chosen[(batch, length)] = self.kinds[0]
             return self.kinds[0]
+        if self._dependent(batch * length) and "triton" in self.kinds:
+            self.chosen[(batch, length)] = "triton"
+            return "triton"
         weight = self.encoder.embeddings.word.weight
         lengths = torch.randint(
             length // 2 + 1, length + 1, (batch,), device=weight.device
