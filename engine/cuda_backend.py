@@ -64,9 +64,10 @@ class OnStream:
     """``with torch.cuda.stream(stream)`` for one batch, at a fraction of its
     host cost: torch's context looks the device up four times and the current
     stream three; this sets the stream by id and puts the previous one back.
-    On the H200's Xeon the batch-1 submit spent about half of its ~42 us in
-    torch's context (cProfile, notes/gpu.md). Torch without these hooks gets
-    torch's context."""
+    That context (and events recorded on the "current" stream) was most of a
+    batch-1 submit's host time in a cProfile on the H200's Xeon; the median
+    submit went from 94 to 32-39 us (notes/gpu.md). Torch without these
+    hooks gets torch's context."""
 
     __slots__ = ("ids", "previous", "fallback")
 

@@ -48,9 +48,9 @@ ATTENTION_ENV = "BERTH_ATTENTION"
 ATTENTION_KINDS = ("flash", "triton", "sdpa")
 # BERTH_PDL=0: kernels launched the classic way (no dependent launches).
 PDL_ENV = "BERTH_PDL"
-# Dependent launches up to this many tokens a forward: H200, BERT-base, end
-# to end 1.05-1.23x at 16-256 tokens, 0.98x at 512, 0.99x at 1,024 (MiniLM
-# 1.07x at 128, 0.90x at 1,024): benchmarks/small_batch.py.
+# Dependent launches up to this many tokens a forward. H200, end to end over
+# four runs: 1.01-1.23x at 16-256 tokens (mostly 1.06-1.09x), 0.97-1.00x at
+# 512-1,024 (MiniLM 0.90-0.99x at 1,024): benchmarks/small_batch.py.
 PDL_MAX_TOKENS = 256
 
 
@@ -194,8 +194,9 @@ class FusedForward:
         them when ``packed``); remembered for the graphs. Shapes whose kernels
         launch dependent take berth's Triton kernel untimed: it waits inside
         the chain, where flash's classic launch breaks it (alone the two are
-        within noise at such shapes, and timing picked flash on some; in the
-        graph flash cost BERT-base 1 x 128 ~10 %, benchmarks/small_batch.py)."""
+        within noise at such shapes, and timing picked flash on some: BERT-base
+        1 x 128 took 0.458 ms end to end with flash, 0.421 with Triton,
+        benchmarks/engine.py on the H200)."""
         if len(self.kinds) == 1:
             self.chosen[(batch, length)] = self.kinds[0]
             return self.kinds[0]

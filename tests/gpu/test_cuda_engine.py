@@ -20,7 +20,7 @@ import torch
 
 from engine.cuda_backend import CudaBackend, collect
 from engine.cuda_graphs import bucket_shapes, packed_tokens
-from engine.fused import FusedForward
+from engine.fused import PDL_MAX_TOKENS, FusedForward
 from tests.gpu.reference import Fixtures, fixtures, padded_batches
 
 pytestmark = [
@@ -390,18 +390,22 @@ def test_few_token_gemms_match_cublas(backend: CudaBackend) -> None:
     np.testing.assert_allclose(planned, cublas, rtol=1e-2, atol=5e-3)
 
 
+DEPENDENT = [(1, 128), (2, 128), (8, 32), (1, 256)]  # shapes launched dependent
+
+
 def test_dependent_launches_replay_alike(backend: CudaBackend) -> None:
     """On Hopper a few-token forward's Triton kernels launch while their
     predecessor runs, each program waiting for its writes first: a missing
     wait would be a race, which shows as replays that differ from each other
-    or from the classic launches. (64 x 128 is over PDL_MAX_TOKENS: the
-    classic launches compared with themselves, as a control.)"""
+    or from the classic launches. (64 x 128, over PDL_MAX_TOKENS, compares
+    the classic launches with themselves: a control.)"""
     runner = backend.runner("minilm")
     if not runner.forward.pdl:
         pytest.skip("dependent launches need Hopper or later")
     classic = FusedForward(runner.forward.served, pdl=False)
     assert not classic.pdl
-    for rows, length in [(1, 128), (8, 64), (1, 512), (64, 128)]:
+    assert all(rows * length <= PDL_MAX_TOKENS for rows, length in DEPENDENT)
+    for rows, length in [*DEPENDENT, (64, 128)]:
         ids, lengths = random_batch(rows, length, runner.vocab, seed=rows * length)
         args = ("minilm", ids.tobytes(), lengths.tobytes(), rows, length)
         first = backend.run_bytes(*args)[0].copy()
