@@ -90,6 +90,17 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
+    def _layer_norm(x, keep, cols, n_cols, eps, w_ptr, b_ptr):  # type: ignore[no-untyped-def]
+        # LayerNorm over the columns of float32 rows x [R, BLOCK] (0 outside
+        # keep), weights and biases read at cols: every LayerNorm kernel's end.
+        mean = tl.sum(x, axis=1) / n_cols
+        diff = tl.where(keep, x - mean[:, None], 0.0)
+        rstd = tl.rsqrt(tl.sum(diff * diff, axis=1) / n_cols + eps)
+        w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        return diff * rstd[:, None] * w[None, :] + b[None, :]
+
+    @triton.jit
     def _add_layer_norm_kernel(  # type: ignore[no-untyped-def]
         x_ptr, r_ptr, w_ptr, b_ptr, out_ptr, n_rows, n_cols, eps,
         ROWS: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr,
@@ -101,12 +112,7 @@ if triton is not None:
         offsets = rows[:, None] * n_cols + cols[None, :]
         x = tl.load(x_ptr + offsets, mask=keep, other=0.0).to(tl.float32)
         x += tl.load(r_ptr + offsets, mask=keep, other=0.0).to(tl.float32)
-        mean = tl.sum(x, axis=1) / n_cols
-        diff = tl.where(keep, x - mean[:, None], 0.0)
-        rstd = tl.rsqrt(tl.sum(diff * diff, axis=1) / n_cols + eps)
-        w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-        y = diff * rstd[:, None] * w[None, :] + b[None, :]
+        y = _layer_norm(x, keep, cols, n_cols, eps, w_ptr, b_ptr)
         tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=keep)
 
     @triton.jit
@@ -128,18 +134,14 @@ if triton is not None:
             at = tl.load(start_ptr + row).to(tl.int64) + position
         token = tl.load(ids_ptr + tl.program_id(0).to(tl.int64)).to(tl.int64)
         cols = tl.arange(0, BLOCK)
-        keep = cols < n_cols
-        x = tl.load(word_ptr + token * n_cols + cols, mask=keep, other=0.0)
+        keep = (cols < n_cols)[None, :]  # one row: [1, BLOCK]
+        x = tl.load(word_ptr + token * n_cols + cols[None, :], mask=keep, other=0.0)
         x = x.to(tl.float32)
-        x += tl.load(pos_ptr + position * n_cols + cols, mask=keep, other=0.0)
-        x += tl.load(type_ptr + cols, mask=keep, other=0.0)
-        mean = tl.sum(x, axis=0) / n_cols
-        diff = tl.where(keep, x - mean, 0.0)
-        rstd = tl.rsqrt(tl.sum(diff * diff, axis=0) / n_cols + eps)
-        w = tl.load(w_ptr + cols, mask=keep, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + cols, mask=keep, other=0.0).to(tl.float32)
-        y = (diff * rstd * w + b).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + at * n_cols + cols, y, mask=keep)
+        x += tl.load(pos_ptr + position * n_cols + cols[None, :], mask=keep, other=0.0)
+        x += tl.load(type_ptr + cols[None, :], mask=keep, other=0.0)
+        y = _layer_norm(x, keep, cols, n_cols, eps, w_ptr, b_ptr)
+        where = out_ptr + at * n_cols + cols[None, :]
+        tl.store(where, y.to(out_ptr.dtype.element_ty), mask=keep)
 
     @triton.jit
     def _mean_pool_kernel(  # type: ignore[no-untyped-def]
@@ -268,12 +270,7 @@ if triton is not None:
         ]
         for s in tl.static_range(SPLIT):
             x += tl.load(p_ptr + s * n_rows * n_cols + offsets, mask=keep, other=0.0)
-        mean = tl.sum(x, axis=1) / n_cols
-        diff = tl.where(keep, x - mean[:, None], 0.0)
-        rstd = tl.rsqrt(tl.sum(diff * diff, axis=1) / n_cols + eps)
-        w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-        y = diff * rstd[:, None] * w[None, :] + b[None, :]
+        y = _layer_norm(x, keep, cols, n_cols, eps, w_ptr, b_ptr)
         tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=keep)
 
 
