@@ -28,7 +28,7 @@ class EngineClient(
         super().__init__(address)
         self.models: set[str] = set()
         self.device = ""
-        self.in_flight = 0
+        self.in_flight = 0  # batches assigned to it and not yet settled
         # Ejection: an engine that fails or stalls sits out a growing back-off
         # and is then probed with real batches again.
         self.failures = 0
@@ -65,14 +65,31 @@ class EngineClient(
         )
         self._on_change()
 
-    async def run(self, batch: internal_pb2.Batch) -> internal_pb2.BatchResult:
-        """Send one batch and wait for its result."""
-        future = self.send(batch.id, internal_pb2.EngineRequest(batch=batch))
+    def take_slot(self) -> None:
+        """Count a batch against this engine now, before its task first runs.
+
+        The scheduler dispatches in a loop without yielding; a slot counted
+        only once the batch's task started sending let one pass hand an idle
+        engine a batch per ready bucket (8 against 2 slots in
+        tests/batcher/test_slots.py; 10 on one engine in a 2-core load run)."""
         self.in_flight += 1
+
+    def free_slot(self) -> None:
+        self.in_flight -= 1
+
+    async def run(
+        self, batch: internal_pb2.Batch, slot_taken: bool = False
+    ) -> internal_pb2.BatchResult:
+        """Send one batch and wait for its result; ``slot_taken``: the caller
+        counted it with :meth:`take_slot` (and frees it), else it is counted
+        here while it runs."""
+        if not slot_taken:
+            self.in_flight += 1
         try:
-            return await future
+            return await self.send(batch.id, internal_pb2.EngineRequest(batch=batch))
         finally:
-            self.in_flight -= 1
+            if not slot_taken:
+                self.in_flight -= 1
 
     def cancel(self, batch_id: int) -> None:
         self.post(

@@ -344,9 +344,18 @@ class ModelScheduler:
         metrics.BATCHES.labels(self.name, length).inc()
         metrics.BATCH_SIZE.labels(self.name, length).observe(batch.size)
         metrics.PADDING_RATIO.labels(self.name, length).observe(ratio)
+        # The slot is counted now: the loop picks again before this task runs.
+        # It is freed when the task ends, however it ends (a done callback
+        # runs even for a task cancelled before it started).
+        engine.take_slot()
         task = asyncio.create_task(self._run(engine, message, keys, batch.bucket, span))
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
+        task.add_done_callback(lambda _: self._slot_freed(engine))
+
+    def _slot_freed(self, engine: EngineClient) -> None:
+        engine.free_slot()
+        self.pool.completed()
 
     async def _run(
         self,
@@ -371,7 +380,6 @@ class ModelScheduler:
             return
         finally:
             span.end()
-            self.pool.completed()
         latency = time.monotonic() - started
         self.record_latency(bucket, latency)
         metrics.BATCH_LATENCY.labels(self.name, message.length).observe(latency)
@@ -402,12 +410,14 @@ class ModelScheduler:
     async def _execute(
         self, engine: EngineClient, message: internal_pb2.Batch, bucket: int
     ) -> internal_pb2.BatchResult:
-        """Run the batch, hedged; if its engine fails, re-send to another."""
+        """Run the batch, hedged; if its engine fails, re-send to another.
+        The first engine's slot was taken at dispatch (``_dispatch``)."""
         tried: set[EngineClient] = set()
+        slot_taken = True
         while True:
             tried.add(engine)
             try:
-                return await self._hedged(engine, message, bucket, tried)
+                return await self._hedged(engine, message, bucket, tried, slot_taken)
             except (Unavailable, EngineFailure) as exc:
                 retry = self.pool.pick(self.name, exclude=tried, any_slot=True)
                 if retry is None:
@@ -416,7 +426,7 @@ class ModelScheduler:
                 log.warning(
                     "re-sending batch %d to %s: %s", message.id, retry.address, exc
                 )
-                engine = retry
+                engine, slot_taken = retry, False
 
     async def _hedged(
         self,
@@ -424,16 +434,19 @@ class ModelScheduler:
         message: internal_pb2.Batch,
         bucket: int,
         tried: set[EngineClient],
+        slot_taken: bool = False,
     ) -> internal_pb2.BatchResult:
         """One attempt; past the hedge delay, a second engine races it."""
-        attempts = {asyncio.ensure_future(self._attempt(engine, message)): engine}
+        first = asyncio.ensure_future(self._attempt(engine, message, slot_taken))
+        attempts = {first: engine}
         done, _ = await asyncio.wait(attempts, timeout=self._hedge_delay(bucket))
         if not done:
             backup = self.pool.pick(self.name, exclude=tried, any_slot=True)
             if backup is not None and self.hedges.try_spend():
                 tried.add(backup)
                 metrics.HEDGES.labels(self.name, "sent").inc()
-                attempts[asyncio.ensure_future(self._attempt(backup, message))] = backup
+                hedge = self._attempt(backup, message, False)
+                attempts[asyncio.ensure_future(hedge)] = backup
         pending = set(attempts)
         error: BaseException | None = None
         while pending:
@@ -457,11 +470,11 @@ class ModelScheduler:
         raise error
 
     async def _attempt(
-        self, engine: EngineClient, message: internal_pb2.Batch
+        self, engine: EngineClient, message: internal_pb2.Batch, slot_taken: bool
     ) -> internal_pb2.BatchResult:
         try:
             result = await asyncio.wait_for(
-                engine.run(message), self.config.batch_timeout_s
+                engine.run(message, slot_taken), self.config.batch_timeout_s
             )
         except TimeoutError:
             engine.cancel(message.id)

@@ -1,4 +1,5 @@
-"""Shared fixtures: the default model repository and a running stack."""
+"""Shared fixtures: the default model repository, a running stack, a tiny
+random BERT."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import grpc
 import pytest
 
 from services.proto.berth.v1 import berth_pb2_grpc
+from services.repository import ModelEntry
 from tests.stack import Stack
 
 
@@ -42,3 +44,25 @@ def stack(repository: Path) -> Iterator[Stack]:
 def client(stack: Stack) -> Iterator[berth_pb2_grpc.BerthStub]:
     with grpc.insecure_channel(stack.gateway) as channel:
         yield berth_pb2_grpc.BerthStub(channel)
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> ModelEntry:
+    """A random 2-layer BERT (hidden 32, 64 positions): a real model, fast."""
+    import torch
+    import transformers
+
+    directory = tmp_path_factory.mktemp("tiny")
+    config = transformers.BertConfig(
+        vocab_size=1000,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    transformers.BertModel(config, add_pooling_layer=False).save_pretrained(
+        directory, safe_serialization=True
+    )
+    return ModelEntry(name="tiny", task="embed", checkpoint=str(directory), root="/")

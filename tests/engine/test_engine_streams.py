@@ -23,26 +23,6 @@ internal_pb2_grpc = pytest.importorskip("services.proto.berth.v1.internal_pb2_gr
 LENGTH = 32
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> ModelEntry:
-    import transformers
-
-    directory = tmp_path_factory.mktemp("tiny")
-    config = transformers.BertConfig(
-        vocab_size=1000,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    transformers.BertModel(config, add_pooling_layer=False).save_pretrained(
-        directory, safe_serialization=True
-    )
-    return ModelEntry(name="tiny", task="embed", checkpoint=str(directory), root="/")
-
-
 @pytest.fixture(
     scope="module",
     params=[
