@@ -71,7 +71,7 @@ class EngineClient(
         The scheduler dispatches in a loop without yielding; a slot counted
         only once the batch's task started sending let one pass hand an idle
         engine a batch per ready bucket (8 against 2 slots in
-        tests/batcher/test_slots.py; 10 on one engine in a 2-core load run)."""
+        tests/batcher/test_dispatch.py; 10 on one engine in a 2-core load run)."""
         self.in_flight += 1
 
     def free_slot(self) -> None:

@@ -460,10 +460,13 @@ class ModelScheduler:
                         loser.cancel()
                         attempts[loser].cancel(message.id)  # dropped before compute
                         if winner is not engine:
-                            # The primary stalled: let it sit out a back-off.
                             metrics.HEDGES.labels(self.name, "won").inc()
                             self.hedges.won += 1
-                            attempts[loser].record_failure("slower than its hedge")
+                            # The primary stalled: let it sit out a back-off,
+                            # unless this batch shared it with another (then
+                            # it was busy: queued behind, or ahead of, work).
+                            if engine.in_flight <= 1:
+                                engine.record_failure("slower than its hedge")
                     return task.result()
                 error = task.exception()
         assert error is not None

@@ -1,0 +1,142 @@
+"""How the batcher's scheduler hands batches to engines.
+
+Real engines (gRPC on loopback, a tiny random BERT on the CPU) behind the
+batcher's own scheduler and engine pool:
+
+- it never gives an engine more batches than its slots, even when work for
+  many buckets is ready at once (its loop dispatches batch after batch
+  without yielding and must count each as it goes);
+- an engine busy with a long batch is not ejected when a short batch queued
+  behind it loses to its hedge (only an engine slow on its only batch is).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+
+import grpc
+import numpy as np
+
+from batcher.engines import EnginePool
+from batcher.scheduler import ModelScheduler, SchedulerConfig
+from engine.service import EngineService
+from engine.torch_backend import TorchBackend
+from services.proto.berth.v1 import internal_pb2, internal_pb2_grpc
+from services.repository import ModelEntry
+
+BUCKETS = [4, 8, 12, 16, 24, 32, 48, 64]
+
+
+def sequences(model: str, lengths: list[int]) -> internal_pb2.Sequences:
+    rng = np.random.default_rng(0)
+    ids = [rng.integers(100, 1000, n, dtype=np.int32) for n in lengths]
+    offsets = np.zeros(len(ids) + 1, dtype="<i4")
+    np.cumsum(lengths, out=offsets[1:])
+    return internal_pb2.Sequences(
+        model=model,
+        ids=list(range(1, len(ids) + 1)),
+        token_ids=np.concatenate(ids).astype("<i4").tobytes(),
+        offsets=offsets.tobytes(),
+    )
+
+
+def engine(entry: ModelEntry) -> tuple[EngineService, grpc.aio.Server, str]:
+    """An engine service on a loopback port (not started)."""
+    backend = TorchBackend("cpu")
+    backend.load(entry)
+    service = EngineService(backend, {entry.name: entry})
+    service.ready = True  # loaded; warm-up does not matter here
+    server = grpc.aio.server()
+    internal_pb2_grpc.add_EngineServicer_to_server(service, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    return service, server, f"127.0.0.1:{port}"
+
+
+def test_a_burst_of_ready_buckets_waits_for_free_slots(tiny: ModelEntry) -> None:
+    entry = dataclasses.replace(tiny, buckets=BUCKETS)
+
+    async def scenario() -> tuple[int, list[internal_pb2.SequenceResult]]:
+        _, server, address = engine(entry)
+        pool = EnginePool([address], slots_per_engine=2)
+        scheduler = ModelScheduler(entry, pool, SchedulerConfig(max_delay_s=0.001))
+        scheduler.start()
+        await server.start()
+        pool.start()
+        while not pool.serving(entry.name):
+            await asyncio.sleep(0.01)
+        answers: list[internal_pb2.SequenceResult] = []
+        most = 0
+
+        async def watch() -> None:  # batches dispatched and not yet finished
+            nonlocal most
+            while len(answers) < len(BUCKETS):
+                most = max(most, len(scheduler._inflight))
+                await asyncio.sleep(0)
+
+        # One sequence per bucket, all at once: every bucket is ready for the
+        # scheduler's next pass (it dispatches eagerly to an idle engine).
+        lengths = [3, 7, 11, 15, 20, 30, 40, 60]
+        scheduler.submit(sequences(entry.name, lengths), answers.append)
+        try:
+            await asyncio.wait_for(watch(), 60)
+        finally:
+            await scheduler.drain()
+            await pool.close()
+            await server.stop(None)
+        return most, answers
+
+    most, answers = asyncio.run(scenario())
+    print(f"most batches in flight on one engine with 2 slots: {most}")
+    assert sorted(a.id for a in answers) == list(range(1, len(BUCKETS) + 1))
+    assert all(a.code == 0 for a in answers), [a.message for a in answers]
+    assert most <= 2
+
+
+def test_a_busy_engine_is_not_ejected_when_a_queued_batch_loses_its_hedge(
+    tiny: ModelEntry,
+) -> None:
+    entry = dataclasses.replace(tiny, buckets=BUCKETS)
+    release = threading.Event()
+
+    async def scenario() -> tuple[int, list[internal_pb2.SequenceResult]]:
+        busy_service, busy_server, busy = engine(entry)
+        _, spare_server, spare = engine(entry)
+        pool = EnginePool([busy, spare], slots_per_engine=2)
+        config = SchedulerConfig(max_delay_s=0.001, hedge_delay_s=0.3, hedge_p95=True)
+        scheduler = ModelScheduler(entry, pool, config)
+        # Batches of the 64-token bucket take 10 s at p95: theirs hedge late.
+        scheduler.latencies[BUCKETS.index(64)].extend([10.0] * 20)
+        busy_service._compute.submit(release.wait)  # its device: other work
+        scheduler.start()
+        await busy_server.start()
+        pool.start()
+        while not pool.serving(entry.name):
+            await asyncio.sleep(0.01)
+        answers: list[internal_pb2.SequenceResult] = []
+        # A long batch, then a short one queued behind it: both on the only
+        # engine up. The spare comes up before the short one's hedge (0.3 s).
+        scheduler.submit(sequences(entry.name, [60]), answers.append)
+        await asyncio.sleep(0.02)
+        scheduler.submit(sequences(entry.name, [3]), answers.append)
+        await asyncio.sleep(0.02)
+        await spare_server.start()
+        try:
+            while not answers:  # the short one, answered by its hedge
+                await asyncio.sleep(0.01)
+            ejections = pool.engines[0].failures
+            release.set()
+            while len(answers) < 2:
+                await asyncio.sleep(0.01)
+        finally:
+            release.set()
+            await scheduler.drain()
+            await pool.close()
+            await busy_server.stop(None)
+            await spare_server.stop(None)
+        return ejections, answers
+
+    ejections, answers = asyncio.run(scenario())
+    assert all(a.code == 0 for a in answers), [a.message for a in answers]
+    assert ejections == 0, "the busy engine was ejected"
