@@ -54,6 +54,17 @@ def engine(entry: ModelEntry) -> tuple[EngineService, grpc.aio.Server, str]:
     return service, server, f"127.0.0.1:{port}"
 
 
+async def serving(
+    scheduler: ModelScheduler, server: grpc.aio.Server, pool: EnginePool
+) -> None:
+    """Start the scheduler, the engine and the pool; wait until it serves."""
+    scheduler.start()
+    await server.start()
+    pool.start()
+    while not pool.serving(scheduler.name):
+        await asyncio.sleep(0.01)
+
+
 def test_a_burst_of_ready_buckets_waits_for_free_slots(tiny: ModelEntry) -> None:
     entry = dataclasses.replace(tiny, buckets=BUCKETS)
 
@@ -61,11 +72,7 @@ def test_a_burst_of_ready_buckets_waits_for_free_slots(tiny: ModelEntry) -> None
         _, server, address = engine(entry)
         pool = EnginePool([address], slots_per_engine=2)
         scheduler = ModelScheduler(entry, pool, SchedulerConfig(max_delay_s=0.001))
-        scheduler.start()
-        await server.start()
-        pool.start()
-        while not pool.serving(entry.name):
-            await asyncio.sleep(0.01)
+        await serving(scheduler, server, pool)
         answers: list[internal_pb2.SequenceResult] = []
         most = 0
 
@@ -109,11 +116,7 @@ def test_a_busy_engine_is_not_ejected_when_a_queued_batch_loses_its_hedge(
         # Batches of the 64-token bucket take 10 s at p95: theirs hedge late.
         scheduler.latencies[BUCKETS.index(64)].extend([10.0] * 20)
         busy_service._compute.submit(release.wait)  # its device: other work
-        scheduler.start()
-        await busy_server.start()
-        pool.start()
-        while not pool.serving(entry.name):
-            await asyncio.sleep(0.01)
+        await serving(scheduler, busy_server, pool)
         answers: list[internal_pb2.SequenceResult] = []
         # A long batch, then a short one queued behind it: both on the only
         # engine up. The spare comes up before the short one's hedge (0.3 s).
