@@ -170,9 +170,8 @@ class EnginePool:
     ) -> EngineClient | None:
         """The least-busy available engine with a free slot, or None.
 
-        ``any_slot`` ignores the slot limit (for re-sends and hedges, which
-        must not wait behind the prefetch queue).
-        """
+        ``any_slot`` ignores the slot limit (for re-sends, which must go
+        somewhere; hedges only take a free slot)."""
         start = next(self._rr)
         candidates = [
             e

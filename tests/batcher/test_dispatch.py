@@ -7,7 +7,9 @@ batcher's own scheduler and engine pool:
   many buckets is ready at once (its loop dispatches batch after batch
   without yielding and must count each as it goes);
 - an engine busy with a long batch is not ejected when a short batch queued
-  behind it loses to its hedge (only an engine slow on its only batch is).
+  behind it loses to its hedge (only an engine slow on its only batch is);
+- a hedge goes only to an engine with a free slot (one queued behind a full
+  engine's work rarely wins and takes capacity the load needs).
 """
 
 from __future__ import annotations
@@ -55,13 +57,14 @@ def engine(entry: ModelEntry) -> tuple[EngineService, grpc.aio.Server, str]:
 
 
 async def serving(
-    scheduler: ModelScheduler, server: grpc.aio.Server, pool: EnginePool
+    scheduler: ModelScheduler, pool: EnginePool, *servers: grpc.aio.Server
 ) -> None:
-    """Start the scheduler, the engine and the pool; wait until it serves."""
+    """Start the scheduler, these engines and the pool; wait until they serve."""
     scheduler.start()
-    await server.start()
+    for server in servers:
+        await server.start()
     pool.start()
-    while not pool.serving(scheduler.name):
+    while len(pool.serving(scheduler.name)) < len(servers):
         await asyncio.sleep(0.01)
 
 
@@ -72,7 +75,7 @@ def test_a_burst_of_ready_buckets_waits_for_free_slots(tiny: ModelEntry) -> None
         _, server, address = engine(entry)
         pool = EnginePool([address], slots_per_engine=2)
         scheduler = ModelScheduler(entry, pool, SchedulerConfig(max_delay_s=0.001))
-        await serving(scheduler, server, pool)
+        await serving(scheduler, pool, server)
         answers: list[internal_pb2.SequenceResult] = []
         most = 0
 
@@ -116,7 +119,7 @@ def test_a_busy_engine_is_not_ejected_when_a_queued_batch_loses_its_hedge(
         # Batches of the 64-token bucket take 10 s at p95: theirs hedge late.
         scheduler.latencies[BUCKETS.index(64)].extend([10.0] * 20)
         busy_service._compute.submit(release.wait)  # its device: other work
-        await serving(scheduler, busy_server, pool)
+        await serving(scheduler, pool, busy_server)
         answers: list[internal_pb2.SequenceResult] = []
         # A long batch, then a short one queued behind it: both on the only
         # engine up. The spare comes up before the short one's hedge (0.3 s).
@@ -143,3 +146,37 @@ def test_a_busy_engine_is_not_ejected_when_a_queued_batch_loses_its_hedge(
     ejections, answers = asyncio.run(scenario())
     assert all(a.code == 0 for a in answers), [a.message for a in answers]
     assert ejections == 0, "the busy engine was ejected"
+
+
+def test_no_hedge_goes_to_an_engine_whose_slots_are_full(tiny: ModelEntry) -> None:
+    entry = dataclasses.replace(tiny, buckets=BUCKETS)
+    release = threading.Event()
+
+    async def scenario() -> tuple[int, list[internal_pb2.SequenceResult]]:
+        engines = [engine(entry) for _ in range(2)]
+        pool = EnginePool([address for *_, address in engines], slots_per_engine=2)
+        config = SchedulerConfig(max_delay_s=0.001, hedge_delay_s=0.05)
+        scheduler = ModelScheduler(entry, pool, config)
+        for service, _, _ in engines:
+            service._compute.submit(release.wait)  # both devices: other work
+        await serving(scheduler, pool, *(server for _, server, _ in engines))
+        answers: list[internal_pb2.SequenceResult] = []
+        for n in (3, 7, 11, 15):  # four batches: both engines' slots full
+            scheduler.submit(sequences(entry.name, [n]), answers.append)
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)  # every batch is past its hedge delay
+        hedged = scheduler.hedges.sent
+        release.set()
+        try:
+            while len(answers) < 4:
+                await asyncio.sleep(0.01)
+        finally:
+            await scheduler.drain()
+            await pool.close()
+            for _, server, _ in engines:
+                await server.stop(None)
+        return hedged, answers
+
+    hedged, answers = asyncio.run(scenario())
+    assert all(a.code == 0 for a in answers), [a.message for a in answers]
+    assert hedged == 0, f"{hedged} hedges sent to engines with no free slot"
