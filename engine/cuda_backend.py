@@ -60,6 +60,9 @@ MAX_ROWS = 256  # the batcher's max_batch default: pinned slots hold this many r
 Times = tuple[float, float, float]  # seconds: copy in, compute, copy out
 
 
+_SET_STREAM = hasattr(torch._C, "_cuda_setStream")  # checked once, not per batch
+
+
 class OnStream:
     """``with torch.cuda.stream(stream)`` for one batch, at a fraction of its
     host cost: torch's context looks the device up four times and the current
@@ -73,9 +76,7 @@ class OnStream:
 
     def __init__(self, stream: torch.cuda.Stream) -> None:
         self.ids = (stream.stream_id, stream.device_index, stream.device_type)
-        self.fallback = None
-        if not hasattr(torch._C, "_cuda_setStream"):
-            self.fallback = torch.cuda.stream(stream)
+        self.fallback = None if _SET_STREAM else torch.cuda.stream(stream)
 
     def __enter__(self) -> None:
         if self.fallback is not None:

@@ -305,16 +305,9 @@ def embed_layer_norm(
     """[B*L, H]: the embeddings module's output for ids [B, L], flattened."""
     if not use_triton(emb.word.weight):
         return emb(ids).flatten(0, 1)
-    length, cols = ids.shape[1], emb.word.weight.shape[1]
+    cols = emb.word.weight.shape[1]
     out = torch.empty(ids.numel(), cols, dtype=emb.word.weight.dtype, device=ids.device)
-    block = triton.next_power_of_2(cols)
-    _embed_layer_norm_kernel[(ids.numel(),)](
-        ids, ids, ids, emb.word.weight, emb.position.weight[emb.offset :],
-        emb.token_type, emb.norm.weight, emb.norm.bias, out, length, cols,
-        emb.norm.eps, BLOCK=block, num_warps=_warps(block), PACKED=False,
-        **_launch(pdl),
-    )  # fmt: skip
-    return out
+    return _embed(emb, ids, None, out, pdl)
 
 
 def embed_packed(
@@ -337,11 +330,25 @@ def embed_packed(
         where = (starts[:-1, None].long() + at[None, :]).flatten()[inside]
         out[where] = padded[inside]
         return out
+    return _embed(emb, ids, (lengths, starts), out, pdl)
+
+
+def _embed(
+    emb: Embeddings,
+    ids: torch.Tensor,
+    packed: tuple[torch.Tensor, torch.Tensor] | None,
+    out: torch.Tensor,
+    pdl: bool,
+) -> torch.Tensor:
+    """The embeddings kernel over ids [B, L] into out: padded, or packed from
+    (lengths, starts)."""
+    lengths, starts = packed or (ids, ids)  # padded: the kernel reads neither
+    cols = emb.word.weight.shape[1]
     block = triton.next_power_of_2(cols)
     _embed_layer_norm_kernel[(ids.numel(),)](
         ids, lengths, starts, emb.word.weight, emb.position.weight[emb.offset :],
-        emb.token_type, emb.norm.weight, emb.norm.bias, out, length, cols,
-        emb.norm.eps, BLOCK=block, num_warps=_warps(block), PACKED=True,
+        emb.token_type, emb.norm.weight, emb.norm.bias, out, ids.shape[1], cols,
+        emb.norm.eps, BLOCK=block, num_warps=_warps(block), PACKED=packed is not None,
         **_launch(pdl),
     )  # fmt: skip
     return out
