@@ -8,7 +8,8 @@ batch is padded up to the next captured size with zero-length rows.
 Large shapes (B * L >= PACK_MIN_TOKENS) are captured packed instead: the
 rows' tokens laid end to end, so no padding token is computed, with a graph
 per token count on a ladder (:func:`token_ladder`); a batch runs in the
-smallest one that holds its tokens (each row counts at least 1).
+smallest one that holds its tokens (each row counts at least 1); a batch of
+full rows gets a graph of its own, whose attention needs no mask.
 
 Graphs are captured largest first into one memory pool shared by every
 graph of the backend (replays never overlap: one stream runs them all),
@@ -61,13 +62,18 @@ def bucket_shapes(
 
 def token_ladder(batch: int, length: int) -> list[int]:
     """Packed token counts to capture for a shape, largest last; [] when the
-    shape stays padded."""
+    shape stays padded.
+
+    The largest, B * L, holds only a batch whose every row is full: its graph
+    runs the padded layout (the same thing then) with attention needing no
+    mask, where the fastest kernel applies (FusedForward). B * L - 1 holds
+    every other batch of the top step."""
     full = batch * length
     if full < PACK_MIN_TOKENS:
         return []
     step = max(PACK_STEP_MIN, full // 16)
     first = -(-(full // 2) // step) * step
-    return sorted({*range(first, full, step), full})
+    return sorted({*range(first, full, step), full - 1, full})
 
 
 def packed_tokens(lengths: Iterable[int], rows: int) -> int:

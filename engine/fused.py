@@ -7,13 +7,15 @@ modules and weights, in fewer passes over device memory (engine/kernels.py):
 - attention: no mask tensor, each row's keys cut at its length, by whichever
   kernel is faster for the shape, measured at capture (``choose_attention``):
   torch's flash attention (varlen, ``seqused_k``) or berth's Triton kernel;
-  SDPA with the boolean key mask where neither runs;
+  SDPA with the boolean key mask where neither runs; SDPA with no mask when
+  every row is full (``FULL_ROWS``);
 - feed-forward: bias and GELU in the cuBLASLt epilogue of the first matmul
   (tanh-form GELU; ``gelu_epilogue=False`` keeps the exact erf form);
 - residual add and LayerNorm in one Triton kernel; mean pooling in another;
 - few tokens (a plan per token count, engine/kernels.SMALL_LINEAR): berth's
-  Triton GEMM where it measured faster than cuBLAS, its split-K partials
-  summed by the LayerNorm kernel;
+  Triton GEMM where it measured faster than cuBLAS, split-K, its partials
+  summed in the same kernel (with the residual and LayerNorm after the
+  attention output and FFN projections) or by the LayerNorm kernel;
 - on Hopper, at up to PDL_MAX_TOKENS tokens, every Triton kernel launched
   dependent on its predecessor (``pdl``, engine/kernels.py: its launch
   overlaps the previous kernel's tail); ``BERTH_PDL=0`` turns that off.
@@ -52,6 +54,11 @@ PDL_ENV = "BERTH_PDL"
 # four runs: 1.01-1.23x at 16-256 tokens (mostly 1.06-1.09x), 0.97-1.00x at
 # 512-1,024 (MiniLM 0.90-0.99x at 1,024): benchmarks/small_batch.py.
 PDL_MAX_TOKENS = 256
+# Attention of a batch whose every row is full: SDPA with no mask, which takes
+# the flash kernel's batch path where the varlen one (any lengths) is slower.
+# H200, BERT-base 128 x 128: 32 us a layer against 50 (flash varlen) and 52
+# (berth's Triton kernel); benchmarks/engine.py's probes.
+FULL_ROWS = ("sdpa", None, False)
 
 
 def flash_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -106,6 +113,9 @@ class FusedForward:
         self.chosen: dict[tuple[int, int], str] = {}  # (batch, length) -> kind
         self._starts: dict[tuple[int, int], torch.Tensor] = {}
         self._plans: dict[int, dict[str, kernels.LinearConfig]] = {}  # by tokens
+        # Shared by every ``reduce`` GEMM of this forward: its launches follow
+        # each other on one stream (a graph's replays, or eager calls).
+        self.counters = kernels.tile_counters(weight.device)
 
     def _available(self, weight: torch.Tensor) -> list[str]:
         forced = os.environ.get(ATTENTION_ENV, "auto")
@@ -129,7 +139,10 @@ class FusedForward:
         With ``tokens``, the rows are packed first: row b's max(lengths[b], 1)
         tokens follow row b - 1's, and every matmul, LayerNorm and attention
         runs on ``tokens`` rows (at least the rows' total; see :meth:`packs`)
-        instead of B * L, padding computed for none."""
+        instead of B * L, padding computed for none. ``tokens`` = B * L says
+        every row is full (the caller's promise, engine/cuda_graphs.py's
+        ladder keeps it): packed is padded then, and attention runs with no
+        mask (FULL_ROWS)."""
         batch, length = ids.shape
         emb = self.encoder.embeddings
         if length > emb.max_length:
@@ -138,11 +151,12 @@ class FusedForward:
                 "positions"
             )
         kind = self.chosen.get((batch, length), self.kinds[0])
-        if tokens is not None:
+        full = tokens == batch * length
+        if tokens is not None and not full:
             return self._packed(ids, lengths, tokens, kind)
         pdl = self._dependent(ids.numel())
         x = kernels.embed_layer_norm(emb, ids, pdl)
-        keys = self._keys(kind, lengths, batch, length)
+        keys = FULL_ROWS if full else self._keys(kind, lengths, batch, length)
         for layer in self.layers:
             x = self._layer(layer, x, batch, length, keys)
         hidden = x.view(batch, length, -1)
@@ -255,7 +269,7 @@ class FusedForward:
         elif "qkv" in plan:
             qkv = kernels.linear(
                 x, attention.qkv.weight, attention.qkv.bias, config=plan["qkv"],
-                pdl=self._dependent(len(x)),
+                pdl=self._dependent(len(x)), counters=self.counters,
             )  # fmt: skip
         else:
             qkv = F.linear(x, attention.qkv.weight, attention.qkv.bias)
@@ -290,6 +304,11 @@ class FusedForward:
             out = linear(x)
         elif tiles is None:
             out = F.linear(x, linear.weight, linear.bias)
+        elif tiles.reduce:  # one kernel: split-K sum, residual, LayerNorm
+            return kernels.linear_layer_norm(
+                x, linear.weight, linear.bias, residual, norm.weight, norm.bias,
+                self.eps, tiles, self.counters, pdl,
+            )  # fmt: skip
         elif tiles.split > 1:  # float32 partials, summed by the LayerNorm kernel
             part = kernels.linear(x, linear.weight, None, config=tiles, pdl=pdl)
             return add_layer_norm_partials(
@@ -335,7 +354,7 @@ class FusedForward:
         if tiles is not None:
             pdl = self._dependent(len(x))
             return kernels.linear(
-                x, linear.weight, linear.bias, self.plan_act, tiles, pdl
+                x, linear.weight, linear.bias, self.plan_act, tiles, pdl, self.counters
             )
         if self.activation == "relu":
             return torch._addmm_activation(

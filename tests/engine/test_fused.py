@@ -18,10 +18,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine.cuda_graphs import PACK_MIN_TOKENS, packed_tokens, token_ladder
 from engine.fused import FusedForward
-from engine.kernels import LinearConfig, attention, small_linear_plan
+from engine.kernels import (
+    ACT_GELU_TANH,
+    ACT_NONE,
+    LinearConfig,
+    attention,
+    linear,
+    linear_layer_norm,
+    small_linear_plan,
+    tile_counters,
+)
 from engine.torch_backend import TorchBackend
 
 LENGTHS = [9, 1, 0, 16, 5, 0, 12]
@@ -55,6 +65,25 @@ def test_packed_rows_equal_padded_rows(backend: TorchBackend, model: str) -> Non
     torch.testing.assert_close(padded, plain, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("model", ["minilm", "intent"])
+def test_full_rows_run_without_a_mask(backend: TorchBackend, model: str) -> None:
+    """tokens = B * L: every row full, the graph of engine/cuda_graphs.py's
+    top rung. It runs the padded layout with no attention mask (so on any
+    kernel, sdpa included) and gives what the masked padded path gives."""
+    served = backend.model(model)
+    forward = FusedForward(served)
+    ids, _ = _batch(served.encoder.config.vocab_size)
+    ids[ids == 0] = 7  # no padding left
+    rows, length = ids.shape
+    lengths = torch.full((rows,), length, dtype=torch.int32)
+    with torch.inference_mode():
+        padded = forward(ids, lengths)
+        full = forward(ids, lengths, rows * length)
+        plain = served(ids.long(), lengths)
+    torch.testing.assert_close(full, padded, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(full, plain, rtol=1e-4, atol=1e-5)
+
+
 def test_sdpa_with_a_mask_does_not_pack(backend: TorchBackend) -> None:
     forward = FusedForward(backend.model("minilm"))
     ids, lengths = _batch(100)
@@ -66,14 +95,22 @@ def test_sdpa_with_a_mask_does_not_pack(backend: TorchBackend) -> None:
 
 def test_token_ladder() -> None:
     assert token_ladder(8, 128) == []  # 1024 tokens: stays padded
-    assert token_ladder(128, 128) == [8192 + 1024 * i for i in range(9)]
+    # Steps of B * L / 16 from half up; then B * L - 1 (any batch with a row
+    # short of full) and B * L (every row full: its own graph, no mask).
+    steps = [8192 + 1024 * i for i in range(8)]
+    assert token_ladder(128, 128) == [*steps, 16383, 16384]
     full = 256 * 512
     ladder = token_ladder(256, 512)
-    assert ladder[-1] == full and ladder[0] == full // 2 and len(ladder) == 9
+    assert ladder[-2:] == [full - 1, full] and ladder[0] == full // 2
+    assert len(ladder) == 10
     for batch, length in ((32, 128), (170, 96), (256, 16), (3, 4096)):
         ladder = token_ladder(batch, length)
-        assert ladder[-1] == batch * length >= PACK_MIN_TOKENS
+        assert ladder[-2:] == [batch * length - 1, batch * length]
+        assert batch * length >= PACK_MIN_TOKENS
         assert ladder == sorted(set(ladder)) and ladder[0] >= batch * length // 2
+        # one row short of full never reaches the top rung
+        short = packed_tokens([length] * (batch - 1) + [length - 1], batch)
+        assert short == batch * length - 1
 
 
 def test_packed_tokens_count_every_row() -> None:
@@ -82,8 +119,9 @@ def test_packed_tokens_count_every_row() -> None:
 
 
 @pytest.mark.parametrize("split", [1, 2, 3])
+@pytest.mark.parametrize("reduce", [False, True])
 def test_few_token_gemm_plan_equals_cublas_path(
-    backend: TorchBackend, split: int
+    backend: TorchBackend, split: int, reduce: bool
 ) -> None:
     served = backend.model("minilm")  # hidden 384, inner 1536
     forward = FusedForward(served)
@@ -91,11 +129,11 @@ def test_few_token_gemm_plan_equals_cublas_path(
     tokens = ids.numel()
     with torch.inference_mode():
         plain = forward(ids, lengths)
-        tiles = LinearConfig(16, 32, 64, split)
+        tiles = LinearConfig(16, 32, 64, split, reduce=reduce)
         forward._plans[tokens] = {
-            "qkv": LinearConfig(16, 32, 64, 1),
+            "qkv": LinearConfig(16, 32, 64, split if reduce else 1, reduce=reduce),
             "out": tiles,
-            "ffn_in": LinearConfig(32, 64, 64, 1),
+            "ffn_in": LinearConfig(32, 64, 64, split if reduce else 1, reduce=reduce),
             "ffn_out": tiles,
         }
         planned = forward(ids, lengths)
@@ -116,3 +154,44 @@ def test_attention_reads_an_empty_row_as_one_token() -> None:
     one = attention(qkv, torch.tensor([8, 1, 5], dtype=torch.int32), 3, 8, 2)
     assert torch.isfinite(empty).all()
     torch.testing.assert_close(empty, one)
+
+
+@pytest.mark.parametrize("split", [1, 2, 3])
+@pytest.mark.parametrize("activation", [ACT_NONE, ACT_GELU_TANH])
+def test_reduce_launch_equals_the_product(split: int, activation: int) -> None:
+    """Split-K summed inside the kernel (the last program of each tile adds
+    the slices, then bias and activation): what F.linear gives, the same
+    bits on a second launch, and every counter back at 0 for the next."""
+    generator = torch.Generator().manual_seed(split)
+    x = torch.randn(40, 384, generator=generator)
+    weight = torch.randn(96, 384, generator=generator) / 20
+    bias = torch.randn(96, generator=generator)
+    config = LinearConfig(16, 32, 64, split, reduce=True)
+    counters = tile_counters(x.device)
+    got = linear(x, weight, bias, activation, config, counters=counters)
+    want = F.linear(x, weight, bias)
+    if activation == ACT_GELU_TANH:
+        want = F.gelu(want, approximate="tanh")
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert not counters.any()
+    again = linear(x, weight, bias, activation, config, counters=counters)
+    assert torch.equal(again, got)
+
+
+@pytest.mark.parametrize("split", [1, 2, 3])
+def test_reduce_launch_takes_the_layer_norm(split: int) -> None:
+    """LayerNorm(x W^T + b + residual) in one launch: rows in blocks of 16
+    (the last block partly filled), 768 columns in 24 tiles of 32."""
+    generator = torch.Generator().manual_seed(10 + split)
+    x = torch.randn(40, 384, generator=generator)
+    weight = torch.randn(768, 384, generator=generator) / 20
+    bias, residual = torch.randn(768, generator=generator), torch.randn(40, 768)
+    ln_w, ln_b = torch.rand(768, generator=generator) + 0.5, torch.randn(768)
+    config = LinearConfig(16, 32, 64, split, reduce=True)
+    counters = tile_counters(x.device)
+    got = linear_layer_norm(
+        x, weight, bias, residual, ln_w, ln_b, 1e-12, config, counters
+    )
+    want = F.layer_norm(F.linear(x, weight, bias) + residual, (768,), ln_w, ln_b)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert not counters.any()

@@ -154,6 +154,32 @@ def test_packed_graphs_equal_padded_eager(backend: CudaBackend) -> None:
         np.testing.assert_allclose(graph, eager, rtol=1e-2, atol=5e-3)
 
 
+def test_full_rows_take_the_graph_without_a_mask(backend: CudaBackend) -> None:
+    """A batch of full rows replays the top rung (attention with no mask);
+    one row short of full replays the rung below it. Both equal the padded
+    computation."""
+    runner = backend.runner("minilm")
+    rows, length = 256, 64
+    ids, _ = random_batch(rows, length, runner.vocab, seed=11)
+    ids[ids == 0] = 1000  # every position a real token
+    for short in (0, 1):
+        lengths = np.full(rows, length, dtype=np.int32)
+        lengths[-1] -= short
+        needed = packed_tokens(lengths, rows)
+        tokens = runner.graphs.tokens_for(rows, length, needed)
+        assert tokens == rows * length - short
+        graph, _ = backend.run_bytes(
+            "minilm", ids.tobytes(), lengths.tobytes(), rows, length
+        )
+        with torch.inference_mode(), torch.cuda.stream(runner.stream):
+            ids_d, lengths_d = torch.from_numpy(ids).cuda(), torch.from_numpy(lengths)
+            eager = runner.forward(ids_d, lengths_d.cuda()).cpu().numpy()
+        cos = cosine(graph, eager).min()
+        print(f"{rows}x{length}, {short} short, {tokens} tokens: min cosine {cos:.6f}")
+        assert cos > 0.99999
+        np.testing.assert_allclose(graph, eager, rtol=1e-2, atol=5e-3)
+
+
 def test_every_output_element_is_written(backend: CudaBackend) -> None:
     runner = backend.runner("minilm")
     for slot in runner.ring.slots:
