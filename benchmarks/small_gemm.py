@@ -12,9 +12,7 @@ times are the GPU's, not Python's launch cost):
   ``torch._addmm_activation`` with GELU in the epilogue, then berth's Triton
   add + LayerNorm);
 - triton_us: ``engine.kernels.linear`` with the best of a grid of tiles and
-  K splits: summed inside the kernel (``reduce``: one launch, with the
-  residual and LayerNorm for the projections followed by one), or as float32
-  partials summed by ``add_layer_norm_partials``;
+  K splits (split-K partials summed by ``add_layer_norm_partials``);
 - ratio = cublas / triton (above 1: Triton faster), and the tiles that won.
 
 Then attention at small shapes for several query-block sizes, and the best
@@ -82,21 +80,14 @@ def graph_us(fn: Callable[[], object]) -> float:
 
 
 def configs(m: int, split_ok: bool) -> list[LinearConfig]:
-    """Tiles to try: K splits summed in the kernel (``reduce``) for every
-    projection; for those followed by a LayerNorm (``split_ok``) also float32
-    partials summed by the LayerNorm kernel."""
     out = []
-    for bm, bn, split, reduce in itertools.product(
-        (16, 32, 64, 128), (32, 64, 128), (1, 2, 3, 4, 6), (False, True)
+    for bm, bn, split in itertools.product(
+        (16, 32, 64, 128), (32, 64, 128), (1, 2, 3, 4, 6) if split_ok else (1,)
     ):
         if bm > max(16, 2 * m) or (bm == 128 and bn == 128):
             continue
-        if not reduce and split > 1 and not split_ok:
-            continue
-        if reduce and split == 1 and not split_ok:  # the plain kernel already
-            continue
         warps = 8 if bm * bn >= 128 * 64 else 4
-        out.append(LinearConfig(bm, bn, 64, split, warps, 3, reduce))
+        out.append(LinearConfig(bm, bn, 64, split, warps, 3))
     return out
 
 
@@ -114,7 +105,6 @@ def projections(
         w = torch.randn(n, k, device=dev, dtype=dt) * 0.02
         return w, torch.randn(n, device=dev, dtype=dt) * 0.02
 
-    counters = kernels.tile_counters(x.device)
     w_qkv, b_qkv = weights(3 * h, h)
     w_out, b_out = weights(h, h)
     w_in, b_in = weights(inner, h)
@@ -124,10 +114,6 @@ def projections(
         inp: torch.Tensor, w: torch.Tensor, b: torch.Tensor
     ) -> Callable[[LinearConfig], object]:
         def run(c: LinearConfig) -> object:
-            if c.reduce:
-                return kernels.linear_layer_norm(
-                    inp, w, b, x, ln_w, ln_b, 1e-12, c, counters
-                )
             if c.split == 1:
                 y = kernels.linear(inp, w, b, ACT_NONE, c)
                 return add_layer_norm(y, x, ln_w, ln_b, 1e-12)
@@ -139,7 +125,7 @@ def projections(
     return {
         "qkv": (
             lambda: F.linear(x, w_qkv, b_qkv),
-            lambda c: kernels.linear(x, w_qkv, b_qkv, ACT_NONE, c, counters=counters),
+            lambda c: kernels.linear(x, w_qkv, b_qkv, ACT_NONE, c),
             False,
         ),
         "out+ln": (
@@ -149,9 +135,7 @@ def projections(
         ),
         "ffn_in+gelu": (
             lambda: torch._addmm_activation(b_in, x, w_in.t(), use_gelu=True),
-            lambda c: kernels.linear(
-                x, w_in, b_in, ACT_GELU_TANH, c, counters=counters
-            ),
+            lambda c: kernels.linear(x, w_in, b_in, ACT_GELU_TANH, c),
             False,
         ),
         "ffn_out+ln": (
@@ -197,8 +181,7 @@ def main() -> None:
     began = time.perf_counter()
     print(
         f"{'model':9} {'M':>5} {'projection':12} {'cublas_us':>9} {'triton_us':>9} "
-        f"{'ratio':>6}  best tiles (block_m, block_n, block_k, split, warps, stages, "
-        "reduce)"
+        f"{'ratio':>6}  best tiles (block_m, block_n, block_k, split, warps, stages)"
     )
     for model in args.models.split(","):
         h, inner, _ = DIMS[model]

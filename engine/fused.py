@@ -13,9 +13,8 @@ modules and weights, in fewer passes over device memory (engine/kernels.py):
   (tanh-form GELU; ``gelu_epilogue=False`` keeps the exact erf form);
 - residual add and LayerNorm in one Triton kernel; mean pooling in another;
 - few tokens (a plan per token count, engine/kernels.SMALL_LINEAR): berth's
-  Triton GEMM where it measured faster than cuBLAS, split-K, its partials
-  summed in the same kernel (with the residual and LayerNorm after the
-  attention output and FFN projections) or by the LayerNorm kernel;
+  Triton GEMM where it measured faster than cuBLAS, its split-K partials
+  summed by the LayerNorm kernel;
 - on Hopper, at up to PDL_MAX_TOKENS tokens, every Triton kernel launched
   dependent on its predecessor (``pdl``, engine/kernels.py: its launch
   overlaps the previous kernel's tail); ``BERTH_PDL=0`` turns that off.
@@ -113,9 +112,6 @@ class FusedForward:
         self.chosen: dict[tuple[int, int], str] = {}  # (batch, length) -> kind
         self._starts: dict[tuple[int, int], torch.Tensor] = {}
         self._plans: dict[int, dict[str, kernels.LinearConfig]] = {}  # by tokens
-        # Shared by every ``reduce`` GEMM of this forward: its launches follow
-        # each other on one stream (a graph's replays, or eager calls).
-        self.counters = kernels.tile_counters(weight.device)
 
     def _available(self, weight: torch.Tensor) -> list[str]:
         forced = os.environ.get(ATTENTION_ENV, "auto")
@@ -269,7 +265,7 @@ class FusedForward:
         elif "qkv" in plan:
             qkv = kernels.linear(
                 x, attention.qkv.weight, attention.qkv.bias, config=plan["qkv"],
-                pdl=self._dependent(len(x)), counters=self.counters,
+                pdl=self._dependent(len(x)),
             )  # fmt: skip
         else:
             qkv = F.linear(x, attention.qkv.weight, attention.qkv.bias)
@@ -304,11 +300,6 @@ class FusedForward:
             out = linear(x)
         elif tiles is None:
             out = F.linear(x, linear.weight, linear.bias)
-        elif tiles.reduce:  # one kernel: split-K sum, residual, LayerNorm
-            return kernels.linear_layer_norm(
-                x, linear.weight, linear.bias, residual, norm.weight, norm.bias,
-                self.eps, tiles, self.counters, pdl,
-            )  # fmt: skip
         elif tiles.split > 1:  # float32 partials, summed by the LayerNorm kernel
             part = kernels.linear(x, linear.weight, None, config=tiles, pdl=pdl)
             return add_layer_norm_partials(
@@ -354,7 +345,7 @@ class FusedForward:
         if tiles is not None:
             pdl = self._dependent(len(x))
             return kernels.linear(
-                x, linear.weight, linear.bias, self.plan_act, tiles, pdl, self.counters
+                x, linear.weight, linear.bias, self.plan_act, tiles, pdl
             )
         if self.activation == "relu":
             return torch._addmm_activation(

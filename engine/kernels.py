@@ -214,12 +214,14 @@ if triton is not None:
         tl.store(where_out, result, mask=queries[:, None] < rows_queries)
 
     @triton.jit
-    def _tile_product(  # type: ignore[no-untyped-def]
-        x_ptr, w_ptr, M, N, K, k_slice,
+    def _linear_kernel(  # type: ignore[no-untyped-def]
+        x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, k_slice,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        ACT: tl.constexpr, SPLIT: tl.constexpr, GDC: tl.constexpr,
     ):  # fmt: skip
-        # Program (m, n, s): the float32 product of tile (m, n) over K slice s,
-        # its rows and columns.
+        # out [M, N] = act(x [M, K] @ w [N, K]^T + b); with SPLIT > 1, program
+        # (m, n, s) writes the float32 partial of K slice s to out [s, M, N].
+        _chain(GDC)
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         inner = tl.arange(0, BLOCK_K)
@@ -234,32 +236,7 @@ if triton is not None:
             acc = tl.dot(a, b, acc)
             x_at += BLOCK_K
             w_at += BLOCK_K
-        return acc, rows, cols
-
-    @triton.jit
-    def _activate(acc, ACT: tl.constexpr):  # type: ignore[no-untyped-def]
-        if ACT == 1:  # GELU, tanh form: x * sigmoid(2 * sqrt(2/pi) * (x + c x^3))
-            inner_x = 1.5957691216057308 * (acc + 0.044715 * acc * acc * acc)
-            acc = acc / (1.0 + tl.exp(-inner_x))
-        elif ACT == 2:  # GELU, erf form
-            acc = 0.5 * acc * (1.0 + tl.erf(acc * 0.7071067811865476))
-        elif ACT == 3:
-            acc = tl.maximum(acc, 0.0)
-        return acc
-
-    @triton.jit
-    def _linear_kernel(  # type: ignore[no-untyped-def]
-        x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, k_slice,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        ACT: tl.constexpr, SPLIT: tl.constexpr, GDC: tl.constexpr,
-    ):  # fmt: skip
-        # out [M, N] = act(x [M, K] @ w [N, K]^T + b); with SPLIT > 1, program
-        # (m, n, s) writes the float32 partial of K slice s to out [s, M, N].
-        _chain(GDC)
-        acc, rows, cols = _tile_product(
-            x_ptr, w_ptr, M, N, K, k_slice, BLOCK_M, BLOCK_N, BLOCK_K
-        )
-        keep = (rows[:, None] < M) & (cols[None, :] < N)
+        keep = row_in & col_in
         where = rows[:, None].to(tl.int64) * N + cols[None, :]
         if SPLIT > 1:
             part = out_ptr + tl.program_id(2).to(tl.int64) * M * N
@@ -268,88 +245,14 @@ if triton is not None:
             acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[
                 None, :
             ]
-            acc = _activate(acc, ACT)
+            if ACT == 1:  # GELU, tanh form: x * sigmoid(2 * sqrt(2/pi) * (x + c x^3))
+                inner_x = 1.5957691216057308 * (acc + 0.044715 * acc * acc * acc)
+                acc = acc / (1.0 + tl.exp(-inner_x))
+            elif ACT == 2:  # GELU, erf form
+                acc = 0.5 * acc * (1.0 + tl.erf(acc * 0.7071067811865476))
+            elif ACT == 3:
+                acc = tl.maximum(acc, 0.0)
             tl.store(out_ptr + where, acc.to(out_ptr.dtype.element_ty), mask=keep)
-
-    @triton.jit
-    def _finish_tile(  # type: ignore[no-untyped-def]
-        acc, rows, cols, b_ptr, out_ptr, part_ptr, count_ptr, r_ptr, lnw_ptr,
-        lnb_ptr, M, N, eps,
-        BLOCK_M: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr,
-        BLOCK_H: tl.constexpr, LN_ROWS: tl.constexpr,
-    ):  # fmt: skip
-        # A tile's whole product: add the bias, then act() into out; or (NORM)
-        # add the residual, keep the sums in part[0], and if this is the row
-        # block's last tile, LayerNorm its rows from part[0] into out.
-        keep = (rows[:, None] < M) & (cols[None, :] < N)
-        where = rows[:, None].to(tl.int64) * N + cols[None, :]
-        acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        if NORM:
-            acc += tl.load(r_ptr + where, mask=keep, other=0.0).to(tl.float32)
-            tl.store(part_ptr + where, acc, mask=keep)
-            tl.debug_barrier()  # every thread's sums stored before the count
-            tiles = tl.num_programs(0) * tl.num_programs(1)
-            block = count_ptr + tiles + tl.program_id(0)
-            if tl.atomic_add(block, 1, sem="acq_rel") == tl.num_programs(1) - 1:
-                tl.debug_barrier()
-                tl.atomic_xchg(block, 0)  # ready for the next launch
-                h = tl.arange(0, BLOCK_H)
-                for r in tl.static_range(0, BLOCK_M, LN_ROWS):
-                    at_rows = tl.program_id(0) * BLOCK_M + r + tl.arange(0, LN_ROWS)
-                    inside = (at_rows[:, None] < M) & (h[None, :] < N)
-                    at = at_rows[:, None].to(tl.int64) * N + h[None, :]
-                    x = tl.load(
-                        part_ptr + at, mask=inside, other=0.0, cache_modifier=".cg"
-                    )
-                    y = _layer_norm(x, inside, h, N, eps, lnw_ptr, lnb_ptr)
-                    tl.store(out_ptr + at, y.to(out_ptr.dtype.element_ty), mask=inside)
-        else:
-            acc = _activate(acc, ACT)
-            tl.store(out_ptr + where, acc.to(out_ptr.dtype.element_ty), mask=keep)
-
-    @triton.jit
-    def _linear_reduce_kernel(  # type: ignore[no-untyped-def]
-        x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, r_ptr, lnw_ptr, lnb_ptr,
-        M, N, K, k_slice, eps,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        ACT: tl.constexpr, SPLIT: tl.constexpr, NORM: tl.constexpr,
-        BLOCK_H: tl.constexpr, LN_ROWS: tl.constexpr, GDC: tl.constexpr,
-    ):  # fmt: skip
-        # Split-K summed inside the kernel: program (m, n, s) stores its float32
-        # partial in part[s]; the last of tile (m, n)'s SPLIT programs to count
-        # itself in (one counter per tile) sums part[0..SPLIT) in that order,
-        # the same bits whichever arrives last, and finishes the tile. The
-        # last arrivals put their counters back to 0 for the next launch.
-        _chain(GDC)
-        acc, rows, cols = _tile_product(
-            x_ptr, w_ptr, M, N, K, k_slice, BLOCK_M, BLOCK_N, BLOCK_K
-        )
-        if SPLIT == 1:
-            _finish_tile(
-                acc, rows, cols, b_ptr, out_ptr, part_ptr, count_ptr, r_ptr, lnw_ptr,
-                lnb_ptr, M, N, eps, BLOCK_M, ACT, NORM, BLOCK_H, LN_ROWS,
-            )  # fmt: skip
-        else:
-            keep = (rows[:, None] < M) & (cols[None, :] < N)
-            where = rows[:, None].to(tl.int64) * N + cols[None, :]
-            tl.store(
-                part_ptr + tl.program_id(2).to(tl.int64) * M * N + where, acc, mask=keep
-            )
-            tl.debug_barrier()  # every thread's partial stored before the count
-            tile = count_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-            if tl.atomic_add(tile, 1, sem="acq_rel") == SPLIT - 1:
-                tl.debug_barrier()
-                tl.atomic_xchg(tile, 0)
-                total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                for s in tl.static_range(SPLIT):
-                    total += tl.load(
-                        part_ptr + s * M * N + where, mask=keep, other=0.0,
-                        cache_modifier=".cg",
-                    )  # fmt: skip
-                _finish_tile(
-                    total, rows, cols, b_ptr, out_ptr, part_ptr, count_ptr, r_ptr,
-                    lnw_ptr, lnb_ptr, M, N, eps, BLOCK_M, ACT, NORM, BLOCK_H, LN_ROWS,
-                )  # fmt: skip
 
     @triton.jit
     def _partials_layer_norm_kernel(  # type: ignore[no-untyped-def]
@@ -544,12 +447,7 @@ def _attention_reference(
 
 class LinearConfig(NamedTuple):
     """Tiles of one ``linear`` launch: BLOCK_M x BLOCK_N outputs per program,
-    K in BLOCK_K steps, cut into ``split`` slices (float32 partials).
-
-    ``reduce``: the kernel sums the slices itself (the last program of each
-    tile to finish does, counted in ``tile_counters``), so the launch gives
-    the finished output, or with :func:`linear_layer_norm` the LayerNorm of
-    it plus a residual: one kernel where the partials took two."""
+    K in BLOCK_K steps, cut into ``split`` slices (float32 partials)."""
 
     block_m: int = 64
     block_n: int = 64
@@ -557,29 +455,9 @@ class LinearConfig(NamedTuple):
     split: int = 1
     warps: int = 4
     stages: int = 3
-    reduce: bool = False
 
     def fits(self, k: int) -> bool:
         return k % (self.split * self.block_k) == 0
-
-
-# Counters of ``reduce`` launches: one per tile and one per row block, each
-# back at 0 when its launch ends, so launches in order can share them (one
-# stream); concurrent launches need their own.
-COUNTERS = 4096
-
-
-def tile_counters(device: torch.device) -> torch.Tensor:
-    return torch.zeros(COUNTERS, dtype=torch.int32, device=device)
-
-
-def _activated(out: torch.Tensor, activation: int) -> torch.Tensor:
-    if activation == ACT_RELU:
-        return F.relu(out)
-    if activation in (ACT_GELU_TANH, ACT_GELU_ERF):
-        tanh = activation == ACT_GELU_TANH
-        return F.gelu(out, approximate="tanh" if tanh else "none")
-    return out
 
 
 def linear(
@@ -589,28 +467,26 @@ def linear(
     activation: int = ACT_NONE,
     config: LinearConfig | None = None,
     pdl: bool = False,
-    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """act(x W^T + b) for x [M, K], weight [N, K] (nn.Linear's layout).
 
     With ``config.split`` > 1: float32 partial products [split, M, N], no bias,
-    no activation, for :func:`add_layer_norm_partials` to finish; unless
-    ``config.reduce``, where the kernel sums them itself (``counters``)."""
+    no activation, for :func:`add_layer_norm_partials` to finish."""
     config = config or LinearConfig()
     rows, k = x.shape
     n = weight.shape[0]
-    partials = config.split > 1 and not config.reduce
-    if partials and activation != ACT_NONE:
+    if config.split > 1 and activation != ACT_NONE:
         raise ValueError("split-K partials take no activation")
     if not use_triton(x) or not config.fits(k):
-        if partials:  # one "partial": the whole product
+        if config.split > 1:  # one "partial": the whole product
             return (x.float() @ weight.float().t()).unsqueeze(0)
-        return _activated(F.linear(x, weight, bias), activation)
-    if config.reduce:
-        if bias is None:
-            raise ValueError("a reduce launch adds the bias itself")
-        out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-        return _reduce(x, weight, bias, out, config, counters, pdl, activation)
+        out = F.linear(x, weight, bias)
+        if activation == ACT_RELU:
+            return F.relu(out)
+        if activation in (ACT_GELU_TANH, ACT_GELU_ERF):
+            tanh = activation == ACT_GELU_TANH
+            return F.gelu(out, approximate="tanh" if tanh else "none")
+        return out
     if config.split > 1:
         out = torch.empty(config.split, rows, n, dtype=torch.float32, device=x.device)
     else:
@@ -625,60 +501,6 @@ def linear(
         k // config.split,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         ACT=activation, SPLIT=config.split,
-        num_warps=config.warps, num_stages=config.stages, **_launch(pdl),
-    )  # fmt: skip
-    return out
-
-
-def linear_layer_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    residual: torch.Tensor,
-    ln_weight: torch.Tensor,
-    ln_bias: torch.Tensor,
-    eps: float,
-    config: LinearConfig,
-    counters: torch.Tensor | None,
-    pdl: bool = False,
-) -> torch.Tensor:
-    """LayerNorm(x W^T + b + residual) in one launch of ``config`` (reduce):
-    the last tile of each row block to finish takes the block's LayerNorm."""
-    if not use_triton(x) or not config.fits(x.shape[1]):
-        y = (F.linear(x, weight, bias).float() + residual.float()).to(x.dtype)
-        return F.layer_norm(y, y.shape[-1:], ln_weight, ln_bias, eps)
-    out = torch.empty_like(residual)
-    norm = (residual, ln_weight, ln_bias, eps)
-    return _reduce(x, weight, bias, out, config, counters, pdl, norm=norm)
-
-
-def _reduce(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    out: torch.Tensor,
-    config: LinearConfig,
-    counters: torch.Tensor | None,
-    pdl: bool,
-    activation: int = ACT_NONE,
-    norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None,
-) -> torch.Tensor:
-    """One launch of the reduce kernel (split-K summed inside, then bias and
-    activation, or residual and LayerNorm) into out [M, N]."""
-    rows, k = x.shape
-    n = weight.shape[0]
-    grid = (triton.cdiv(rows, config.block_m), triton.cdiv(n, config.block_n))
-    if counters is None or grid[0] * (grid[1] + 1) > counters.numel():
-        raise ValueError(f"a {grid} reduce launch needs its tile counters")
-    part = torch.empty(config.split, rows, n, dtype=torch.float32, device=x.device)
-    residual, ln_weight, ln_bias, eps = norm or (x, bias, bias, 0.0)
-    block_h = triton.next_power_of_2(n) if norm else 16  # LayerNorm rows only
-    _linear_reduce_kernel[(*grid, config.split)](
-        x, weight, bias, out, part, counters, residual, ln_weight, ln_bias,
-        rows, n, k, k // config.split, eps,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        ACT=activation, SPLIT=config.split, NORM=norm is not None, BLOCK_H=block_h,
-        LN_ROWS=max(1, min(config.block_m, 8192 // block_h)),
         num_warps=config.warps, num_stages=config.stages, **_launch(pdl),
     )  # fmt: skip
     return out

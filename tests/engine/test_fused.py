@@ -18,20 +18,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from engine.cuda_graphs import PACK_MIN_TOKENS, packed_tokens, token_ladder
 from engine.fused import FusedForward
-from engine.kernels import (
-    ACT_GELU_TANH,
-    ACT_NONE,
-    LinearConfig,
-    attention,
-    linear,
-    linear_layer_norm,
-    small_linear_plan,
-    tile_counters,
-)
+from engine.kernels import LinearConfig, attention, small_linear_plan
 from engine.torch_backend import TorchBackend
 
 LENGTHS = [9, 1, 0, 16, 5, 0, 12]
@@ -119,9 +109,8 @@ def test_packed_tokens_count_every_row() -> None:
 
 
 @pytest.mark.parametrize("split", [1, 2, 3])
-@pytest.mark.parametrize("reduce", [False, True])
 def test_few_token_gemm_plan_equals_cublas_path(
-    backend: TorchBackend, split: int, reduce: bool
+    backend: TorchBackend, split: int
 ) -> None:
     served = backend.model("minilm")  # hidden 384, inner 1536
     forward = FusedForward(served)
@@ -129,11 +118,11 @@ def test_few_token_gemm_plan_equals_cublas_path(
     tokens = ids.numel()
     with torch.inference_mode():
         plain = forward(ids, lengths)
-        tiles = LinearConfig(16, 32, 64, split, reduce=reduce)
+        tiles = LinearConfig(16, 32, 64, split)
         forward._plans[tokens] = {
-            "qkv": LinearConfig(16, 32, 64, split if reduce else 1, reduce=reduce),
+            "qkv": LinearConfig(16, 32, 64, 1),
             "out": tiles,
-            "ffn_in": LinearConfig(32, 64, 64, split if reduce else 1, reduce=reduce),
+            "ffn_in": LinearConfig(32, 64, 64, 1),
             "ffn_out": tiles,
         }
         planned = forward(ids, lengths)
@@ -154,44 +143,3 @@ def test_attention_reads_an_empty_row_as_one_token() -> None:
     one = attention(qkv, torch.tensor([8, 1, 5], dtype=torch.int32), 3, 8, 2)
     assert torch.isfinite(empty).all()
     torch.testing.assert_close(empty, one)
-
-
-@pytest.mark.parametrize("split", [1, 2, 3])
-@pytest.mark.parametrize("activation", [ACT_NONE, ACT_GELU_TANH])
-def test_reduce_launch_equals_the_product(split: int, activation: int) -> None:
-    """Split-K summed inside the kernel (the last program of each tile adds
-    the slices, then bias and activation): what F.linear gives, the same
-    bits on a second launch, and every counter back at 0 for the next."""
-    generator = torch.Generator().manual_seed(split)
-    x = torch.randn(40, 384, generator=generator)
-    weight = torch.randn(96, 384, generator=generator) / 20
-    bias = torch.randn(96, generator=generator)
-    config = LinearConfig(16, 32, 64, split, reduce=True)
-    counters = tile_counters(x.device)
-    got = linear(x, weight, bias, activation, config, counters=counters)
-    want = F.linear(x, weight, bias)
-    if activation == ACT_GELU_TANH:
-        want = F.gelu(want, approximate="tanh")
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    assert not counters.any()
-    again = linear(x, weight, bias, activation, config, counters=counters)
-    assert torch.equal(again, got)
-
-
-@pytest.mark.parametrize("split", [1, 2, 3])
-def test_reduce_launch_takes_the_layer_norm(split: int) -> None:
-    """LayerNorm(x W^T + b + residual) in one launch: rows in blocks of 16
-    (the last block partly filled), 768 columns in 24 tiles of 32."""
-    generator = torch.Generator().manual_seed(10 + split)
-    x = torch.randn(40, 384, generator=generator)
-    weight = torch.randn(768, 384, generator=generator) / 20
-    bias, residual = torch.randn(768, generator=generator), torch.randn(40, 768)
-    ln_w, ln_b = torch.rand(768, generator=generator) + 0.5, torch.randn(768)
-    config = LinearConfig(16, 32, 64, split, reduce=True)
-    counters = tile_counters(x.device)
-    got = linear_layer_norm(
-        x, weight, bias, residual, ln_w, ln_b, 1e-12, config, counters
-    )
-    want = F.layer_norm(F.linear(x, weight, bias) + residual, (768,), ln_w, ln_b)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    assert not counters.any()
