@@ -183,6 +183,8 @@ class ModelRunner:
                 self.forward.choose_attention(batch, length, packed=bool(ladder))
                 if not self.forward.packs(batch, length):
                     ladder = []
+                if ladder:  # its top rung: batches of full rows
+                    self.forward.choose_full_rows(batch, length)
                 graphs += [(batch, length, t) for t in ladder] or [
                     (batch, length, None)
                 ]

@@ -53,10 +53,12 @@ PDL_ENV = "BERTH_PDL"
 # four runs: 1.01-1.23x at 16-256 tokens (mostly 1.06-1.09x), 0.97-1.00x at
 # 512-1,024 (MiniLM 0.90-0.99x at 1,024): benchmarks/small_batch.py.
 PDL_MAX_TOKENS = 256
-# Attention of a batch whose every row is full: SDPA with no mask, which takes
-# the flash kernel's batch path where the varlen one (any lengths) is slower.
-# H200, BERT-base 128 x 128: 32 us a layer against 50 (flash varlen) and 52
-# (berth's Triton kernel); benchmarks/engine.py's probes.
+# Attention of a batch whose every row is full, with no mask: SDPA's own pick
+# for dense rows (cuDNN's or flash's batch kernel, faster than flash's varlen
+# path for any lengths) or berth's Triton kernel, whichever is faster for the
+# shape (``choose_full_rows``). H200, BERT-base, inside CUDA graphs: 128 x 128
+# SDPA (cuDNN) 30 us a layer, Triton 42, flash 47; 256 x 64 Triton 34, cuDNN
+# 56; 32 x 512 cuDNN 69, Triton 94.
 FULL_ROWS = ("sdpa", None, False)
 
 
@@ -110,6 +112,7 @@ class FusedForward:
         self.pdl_max_tokens = PDL_MAX_TOKENS
         self.kinds = self._available(weight)
         self.chosen: dict[tuple[int, int], str] = {}  # (batch, length) -> kind
+        self.full_rows: dict[tuple[int, int], str] = {}  # the same, full rows
         self._starts: dict[tuple[int, int], torch.Tensor] = {}
         self._plans: dict[int, dict[str, kernels.LinearConfig]] = {}  # by tokens
 
@@ -152,7 +155,11 @@ class FusedForward:
             return self._packed(ids, lengths, tokens, kind)
         pdl = self._dependent(ids.numel())
         x = kernels.embed_layer_norm(emb, ids, pdl)
-        keys = FULL_ROWS if full else self._keys(kind, lengths, batch, length)
+        if full:
+            chosen = self.full_rows.get((batch, length), "sdpa")
+            keys = self._full_keys(chosen, lengths, batch, length)
+        else:
+            keys = self._keys(kind, lengths, batch, length)
         for layer in self.layers:
             x = self._layer(layer, x, batch, length, keys)
         hidden = x.view(batch, length, -1)
@@ -237,6 +244,38 @@ class FusedForward:
         best = min(timings, key=lambda k: timings[k])
         self.chosen[(batch, length)] = best
         return best
+
+    def choose_full_rows(self, batch: int, length: int) -> str:
+        """The faster attention for a batch of this shape whose every row is
+        full (FULL_ROWS): SDPA with no mask or berth's Triton kernel, timed on
+        the current stream; remembered for that batch's graph."""
+        if "triton" not in self.kinds:
+            self.full_rows[(batch, length)] = "sdpa"
+            return "sdpa"
+        weight = self.encoder.embeddings.word.weight
+        lengths = torch.full((batch,), length, dtype=torch.int32, device=weight.device)
+        qkv = torch.randn(
+            batch * length, 3 * self.heads * self.head_dim,
+            device=weight.device, dtype=weight.dtype,
+        )  # fmt: skip
+        timings = {}
+        for kind in ("sdpa", "triton"):
+            keys = self._full_keys(kind, lengths, batch, length)
+            timings[kind] = _time(
+                lambda keys=keys: self._attend(qkv, batch, length, keys)
+            )
+        best = min(timings, key=lambda k: timings[k])
+        self.full_rows[(batch, length)] = best
+        return best
+
+    def _full_keys(
+        self, kind: str, lengths: torch.Tensor, batch: int, length: int
+    ) -> tuple[str, Any, bool]:
+        """What ``_attend`` takes for full rows: no mask, or the Triton
+        kernel's lengths (all L) and row starts."""
+        if kind == "sdpa":
+            return FULL_ROWS
+        return self._keys("triton", lengths, batch, length)
 
     def _keys(
         self, kind: str, lengths: torch.Tensor, batch: int, length: int

@@ -379,9 +379,12 @@ def mean_pool(
             rows = torch.where(inside, hidden[where], 0)  # not 0 * whatever is there
             return MeanPooling()(rows, lengths)
     out = torch.empty(batch, cols, dtype=torch.float32, device=hidden.device)
-    grid = (batch, triton.cdiv(cols, 128))  # rows x column blocks: many programs
+    # rows x column blocks: many programs. 32-column blocks of 2 warps: 10.6 us
+    # at 128 x 128 x 768 on the H200 against 18.4 for 128 columns of 4 warps
+    # (inside CUDA graphs).
+    grid = (batch, triton.cdiv(cols, 32))
     _mean_pool_kernel[grid](
-        hidden, lengths, starts, out, cols, BLOCK_L=32, BLOCK_H=128, num_warps=4,
+        hidden, lengths, starts, out, cols, BLOCK_L=32, BLOCK_H=32, num_warps=2,
         **_launch(pdl),
     )  # fmt: skip
     return out

@@ -56,15 +56,19 @@ def test_packed_rows_equal_padded_rows(backend: TorchBackend, model: str) -> Non
 
 
 @pytest.mark.parametrize("model", ["minilm", "intent"])
-def test_full_rows_run_without_a_mask(backend: TorchBackend, model: str) -> None:
+@pytest.mark.parametrize("kind", ["sdpa", "triton"])
+def test_full_rows_run_without_a_mask(
+    backend: TorchBackend, model: str, kind: str
+) -> None:
     """tokens = B * L: every row full, the graph of engine/cuda_graphs.py's
-    top rung. It runs the padded layout with no attention mask (so on any
-    kernel, sdpa included) and gives what the masked padded path gives."""
+    top rung. It runs the padded layout with no attention mask (SDPA), or
+    berth's kernel, and gives what the masked padded path gives."""
     served = backend.model(model)
     forward = FusedForward(served)
     ids, _ = _batch(served.encoder.config.vocab_size)
     ids[ids == 0] = 7  # no padding left
     rows, length = ids.shape
+    forward.full_rows[(rows, length)] = kind
     lengths = torch.full((rows,), length, dtype=torch.int32)
     with torch.inference_mode():
         padded = forward(ids, lengths)
