@@ -79,31 +79,41 @@ def graph_us(fn: Callable[[], object]) -> float:
     return statistics.median(times)
 
 
-def configs(m: int, split_ok: bool) -> list[LinearConfig]:
+def configs(m: int, split_ok: bool, block_ks: tuple[int, ...]) -> list[LinearConfig]:
     out = []
-    for bm, bn, split in itertools.product(
-        (16, 32, 64, 128), (32, 64, 128), (1, 2, 3, 4, 6) if split_ok else (1,)
+    for bm, bn, split, bk in itertools.product(
+        (16, 32, 64, 128),
+        (32, 64, 128),
+        (1, 2, 3, 4, 6) if split_ok else (1,),
+        block_ks,
     ):
         if bm > max(16, 2 * m) or (bm == 128 and bn == 128):
             continue
+        if 3 * (bm + bn) * bk * 2 > 200_000:  # shared memory: 3 stages, both tiles
+            continue
         warps = 8 if bm * bn >= 128 * 64 else 4
-        out.append(LinearConfig(bm, bn, 64, split, warps, 3))
+        out.append(LinearConfig(bm, bn, bk, split, warps, 3))
     return out
 
 
 def projections(
-    h: int, inner: int, m: int
+    h: int, inner: int, m: int, cold: bool
 ) -> dict[str, tuple[Callable[[], object], Callable[[LinearConfig], object], bool]]:
-    """name -> (the cuBLAS path, the Triton path given tiles, splits allowed)."""
+    """name -> (the cuBLAS path, the Triton path given tiles, splits allowed).
+
+    ``cold``: each of a graph's REPEAT calls multiplies its own copy of the
+    weights (together past the 50 MB L2), so every call streams them from
+    memory as a forward's layers do; otherwise one copy stays in L2."""
     dev, dt = "cuda", torch.float16
     x = torch.randn(m, h, device=dev, dtype=dt)
     mid = torch.randn(m, inner, device=dev, dtype=dt)
     ln_w = torch.ones(h, device=dev, dtype=dt)
     ln_b = torch.zeros(h, device=dev, dtype=dt)
 
-    def weights(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def weights(n: int, k: int) -> tuple[_Turns, torch.Tensor]:
         w = torch.randn(n, k, device=dev, dtype=dt) * 0.02
-        return w, torch.randn(n, device=dev, dtype=dt) * 0.02
+        copies = [w.clone() for _ in range(REPEAT)] if cold else [w]
+        return _Turns(copies), torch.randn(n, device=dev, dtype=dt) * 0.02
 
     w_qkv, b_qkv = weights(3 * h, h)
     w_out, b_out = weights(h, h)
@@ -111,39 +121,49 @@ def projections(
     w_ffn, b_ffn = weights(h, inner)
 
     def split_path(
-        inp: torch.Tensor, w: torch.Tensor, b: torch.Tensor
+        inp: torch.Tensor, w: _Turns, b: torch.Tensor
     ) -> Callable[[LinearConfig], object]:
         def run(c: LinearConfig) -> object:
             if c.split == 1:
-                y = kernels.linear(inp, w, b, ACT_NONE, c)
+                y = kernels.linear(inp, w(), b, ACT_NONE, c)
                 return add_layer_norm(y, x, ln_w, ln_b, 1e-12)
-            part = kernels.linear(inp, w, None, ACT_NONE, c)
+            part = kernels.linear(inp, w(), None, ACT_NONE, c)
             return add_layer_norm_partials(part, b, x, ln_w, ln_b, 1e-12)
 
         return run
 
     return {
         "qkv": (
-            lambda: F.linear(x, w_qkv, b_qkv),
-            lambda c: kernels.linear(x, w_qkv, b_qkv, ACT_NONE, c),
+            lambda: F.linear(x, w_qkv(), b_qkv),
+            lambda c: kernels.linear(x, w_qkv(), b_qkv, ACT_NONE, c),
             False,
         ),
         "out+ln": (
-            lambda: add_layer_norm(F.linear(x, w_out, b_out), x, ln_w, ln_b, 1e-12),
+            lambda: add_layer_norm(F.linear(x, w_out(), b_out), x, ln_w, ln_b, 1e-12),
             split_path(x, w_out, b_out),
             True,
         ),
         "ffn_in+gelu": (
-            lambda: torch._addmm_activation(b_in, x, w_in.t(), use_gelu=True),
-            lambda c: kernels.linear(x, w_in, b_in, ACT_GELU_TANH, c),
+            lambda: torch._addmm_activation(b_in, x, w_in().t(), use_gelu=True),
+            lambda c: kernels.linear(x, w_in(), b_in, ACT_GELU_TANH, c),
             False,
         ),
         "ffn_out+ln": (
-            lambda: add_layer_norm(F.linear(mid, w_ffn, b_ffn), x, ln_w, ln_b, 1e-12),
+            lambda: add_layer_norm(F.linear(mid, w_ffn(), b_ffn), x, ln_w, ln_b, 1e-12),
             split_path(mid, w_ffn, b_ffn),
             True,
         ),
     }
+
+
+class _Turns:
+    """Tensors taken in turn, one per call (``cold`` weights)."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self._cycle = itertools.cycle(tensors)
+
+    def __call__(self) -> torch.Tensor:
+        return next(self._cycle)
 
 
 def attention_rows() -> list[dict[str, Any]]:
@@ -154,11 +174,13 @@ def attention_rows() -> list[dict[str, Any]]:
         qkv = torch.randn(batch * length, 3 * h, device="cuda", dtype=torch.float16)
         used = torch.full((batch,), length, dtype=torch.int32, device="cuda")
         row: dict[str, Any] = {"batch": batch, "length": length}
-        for bm in (16, 32, 64, 128):
-            if bm > max(16, length):
+        for bm, bn in itertools.product((16, 32, 64, 128), (64, 128)):
+            if bm > max(16, length) or bn > max(64, length):
                 continue
-            run = partial(kernels.attention, qkv, used, batch, length, heads, bm)
-            row[f"bm{bm}_us"] = round(graph_us(run), 2)
+            run = partial(
+                kernels.attention, qkv, used, batch, length, heads, bm, block_n=bn
+            )
+            row[f"bm{bm}_bn{bn}_us"] = round(graph_us(run), 2)
         run = partial(kernels.attention, qkv, used, batch, length, heads)
         row["default_us"] = round(graph_us(run), 2)
         rows.append(row)
@@ -171,6 +193,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("small_gemm_gpu.json"))
     parser.add_argument("--models", default="bert-base,minilm")
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    parser.add_argument("--block-k", default="64", help="K steps to try, e.g. 64,128")
+    parser.add_argument(
+        "--cold", action="store_true", help="weights streamed from memory each call"
+    )
     args = parser.parse_args()
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name(0),
@@ -178,6 +204,8 @@ def main() -> None:
         "torch": torch.__version__,
         "rows": [],
     }
+    block_ks = tuple(map(int, args.block_k.split(",")))
+    result["cold"] = args.cold
     began = time.perf_counter()
     print(
         f"{'model':9} {'M':>5} {'projection':12} {'cublas_us':>9} {'triton_us':>9} "
@@ -186,10 +214,12 @@ def main() -> None:
     for model in args.models.split(","):
         h, inner, _ = DIMS[model]
         for m in map(int, args.tokens.split(",")):
-            for name, (base, ours, split_ok) in projections(h, inner, m).items():
+            for name, (base, ours, split_ok) in projections(
+                h, inner, m, args.cold
+            ).items():
                 cublas = graph_us(base)
                 timed = {}
-                for c in configs(m, split_ok):
+                for c in configs(m, split_ok, block_ks):
                     if c.fits(inner if name == "ffn_out+ln" else h):
                         timed[c] = graph_us(partial(ours, c))
                 best = min(timed, key=lambda c: timed[c])

@@ -206,8 +206,8 @@ class FusedForward:
         return self.served.post(pooled)
 
     def choose_attention(self, batch: int, length: int, packed: bool = False) -> str:
-        """The faster attention kernel for this shape, timed on the current stream
-        (random inputs, lengths in (L/2, L]; rows packed as the graph will run
+        """The faster attention kernel for this shape, timed in a CUDA graph
+        (``_time``; random inputs, lengths in (L/2, L]; rows packed as the graph will run
         them when ``packed``); remembered for the graphs. Shapes whose kernels
         launch dependent take berth's Triton kernel untimed: it waits inside
         the chain, where flash's classic launch breaks it (alone the two are
@@ -247,8 +247,8 @@ class FusedForward:
 
     def choose_full_rows(self, batch: int, length: int) -> str:
         """The faster attention for a batch of this shape whose every row is
-        full (FULL_ROWS): SDPA with no mask or berth's Triton kernel, timed on
-        the current stream; remembered for that batch's graph."""
+        full (FULL_ROWS): SDPA with no mask or berth's Triton kernel, timed in
+        a CUDA graph; remembered for that batch's graph."""
         if "triton" not in self.kinds:
             self.full_rows[(batch, length)] = "sdpa"
             return "sdpa"
@@ -414,17 +414,24 @@ def _packed_starts(used: torch.Tensor) -> torch.Tensor:
 
 
 def _time(fn: Any, calls: int = 10, rounds: int = 3) -> float:
-    """Milliseconds per call on the current stream: the best of a few rounds
-    of back-to-back calls after a warm-up (one round of five was noisy enough
-    to pick the slower kernel on the H200)."""
-    fn()
+    """Milliseconds per call of fn's GPU work: ``calls`` calls captured in one
+    CUDA graph, as the engine will run them, the best of a few replays.
+
+    Back-to-back eager calls timed Python's launches instead, where kernels
+    take a few microseconds: they picked flash attention for BERT-base 128 x
+    16, whose graph then took 1.32 ms against 0.95 with berth's kernel
+    (benchmarks/engine.py, H200)."""
+    fn()  # warm-up: Triton compiles, cuBLAS picks its kernels
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
     best = float("inf")
     for _ in range(rounds):
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(calls):
-            fn()
+        graph.replay()
         end.record()
         end.synchronize()
         best = min(best, start.elapsed_time(end) / calls)

@@ -397,6 +397,7 @@ def attention(
     length: int,
     heads: int,
     block_m: int | None = None,
+    block_n: int = 64,
     starts: torch.Tensor | None = None,
     packed: bool = False,
     pdl: bool = False,
@@ -421,7 +422,8 @@ def attention(
     grid = (triton.cdiv(length, block_m), batch * heads)
     _attention_kernel[grid](
         qkv, lengths, starts, out, length, heads, math.log2(math.e) / math.sqrt(head),
-        HEAD=head, BLOCK_M=block_m, BLOCK_N=64, num_warps=8 if block_m == 128 else 4,
+        HEAD=head, BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=8 if block_m == 128 else 4,
         num_stages=2, PACKED=packed, **_launch(pdl),
     )  # fmt: skip
     return out
