@@ -210,11 +210,10 @@ class FusedForward:
         (``_time``; random inputs, lengths in (L/2, L]; rows packed as the
         graph will run them when ``packed``); remembered for the graphs.
         Shapes whose kernels launch dependent take berth's Triton kernel
-        untimed: it waits inside
-        the chain, where flash's classic launch breaks it (alone the two are
-        within noise at such shapes, and timing picked flash on some: BERT-base
-        1 x 128 took 0.458 ms end to end with flash, 0.421 with Triton,
-        benchmarks/engine.py on the H200)."""
+        untimed: it waits inside the chain, where flash's classic launch
+        breaks it (alone the two are within noise at such shapes, and timing
+        picked flash on some: BERT-base 1 x 128 took 0.458 ms end to end with
+        flash, 0.421 with Triton, benchmarks/engine.py on the H200)."""
         if len(self.kinds) == 1:
             self.chosen[(batch, length)] = self.kinds[0]
             return self.kinds[0]
