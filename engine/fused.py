@@ -261,9 +261,14 @@ class FusedForward:
         timings = {}
         for kind in ("sdpa", "triton"):
             keys = self._full_keys(kind, lengths, batch, length)
-            timings[kind] = _time(
-                lambda keys=keys: self._attend(qkv, batch, length, keys)
-            )
+            try:
+                timings[kind] = _time(
+                    lambda keys=keys: self._attend(qkv, batch, length, keys)
+                )
+            except RuntimeError as exc:  # a kernel that cannot run this shape
+                log.warning(
+                    "full-row attention %s at %dx%d: %s", kind, batch, length, exc
+                )
         best = min(timings, key=lambda k: timings[k])
         self.full_rows[(batch, length)] = best
         return best
