@@ -19,6 +19,11 @@ Then attention at small shapes for several query-block sizes, and the best
 tiles per (projection, M) as a table for ``engine/kernels.py``.
 
     python benchmarks/small_gemm.py --out small_gemm_h200.json
+    python benchmarks/small_gemm.py --cold --block-k 64,128,256 --tokens 16,128
+
+``--cold`` gives each call in a graph its own copy of the weights, so every
+call streams them from memory as a forward's layers do (one copy stays in
+the 50 MB L2 and flatters every kernel); ``--block-k`` widens the grid.
 """
 
 from __future__ import annotations
