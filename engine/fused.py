@@ -225,23 +225,14 @@ class FusedForward:
             length // 2 + 1, length + 1, (batch,), device=weight.device
         )
         used = lengths.to(torch.int32)
-        tokens = int(used.sum()) if packed else batch * length
-        qkv = torch.randn(
-            tokens, 3 * self.heads * self.head_dim,
-            device=weight.device, dtype=weight.dtype,
-        )  # fmt: skip
-        timings = {}
+        candidates = {}
         for kind in self.kinds:
             keys = self._keys(kind, lengths, batch, length)
             if packed and kind in ("flash", "triton"):
                 keys = (kind, (used, _packed_starts(used)), True)
-            try:
-                timings[kind] = _time(
-                    lambda keys=keys: self._attend(qkv, batch, length, keys)
-                )
-            except RuntimeError as exc:  # a kernel that cannot run this shape
-                log.warning("attention %s at %dx%d: %s", kind, batch, length, exc)
-        best = min(timings, key=lambda k: timings[k])
+            candidates[kind] = keys
+        tokens = int(used.sum()) if packed else batch * length
+        best = self._fastest(candidates, tokens, batch, length)
         self.chosen[(batch, length)] = best
         return best
 
@@ -254,24 +245,38 @@ class FusedForward:
             return "sdpa"
         weight = self.encoder.embeddings.word.weight
         lengths = torch.full((batch,), length, dtype=torch.int32, device=weight.device)
+        candidates = {
+            kind: self._full_keys(kind, lengths, batch, length)
+            for kind in ("sdpa", "triton")
+        }
+        best = self._fastest(candidates, batch * length, batch, length)
+        self.full_rows[(batch, length)] = best
+        return best
+
+    def _fastest(
+        self,
+        candidates: dict[str, tuple[str, Any, bool]],
+        tokens: int,
+        batch: int,
+        length: int,
+    ) -> str:
+        """The candidate whose attention over random qkv [tokens, 3H] is
+        fastest in a CUDA graph (``_time``); one that cannot run the shape is
+        skipped with a warning."""
+        weight = self.encoder.embeddings.word.weight
         qkv = torch.randn(
-            batch * length, 3 * self.heads * self.head_dim,
+            tokens, 3 * self.heads * self.head_dim,
             device=weight.device, dtype=weight.dtype,
         )  # fmt: skip
         timings = {}
-        for kind in ("sdpa", "triton"):
-            keys = self._full_keys(kind, lengths, batch, length)
+        for kind, keys in candidates.items():
             try:
                 timings[kind] = _time(
                     lambda keys=keys: self._attend(qkv, batch, length, keys)
                 )
             except RuntimeError as exc:  # a kernel that cannot run this shape
-                log.warning(
-                    "full-row attention %s at %dx%d: %s", kind, batch, length, exc
-                )
-        best = min(timings, key=lambda k: timings[k])
-        self.full_rows[(batch, length)] = best
-        return best
+                log.warning("attention %s at %dx%d: %s", kind, batch, length, exc)
+        return min(timings, key=lambda k: timings[k])
 
     def _full_keys(
         self, kind: str, lengths: torch.Tensor, batch: int, length: int
