@@ -14,7 +14,10 @@ import torch
 MODELS = {
     "bert-base": {"hidden": 768, "layers": 12, "heads": 12, "inner": 3072},
     "minilm": {"hidden": 384, "layers": 6, "heads": 12, "inner": 1536},
-}
+    # the tests' model: small vocabulary, 64 positions (tests/conftest.py)
+    "tiny": {"hidden": 32, "layers": 2, "heads": 2, "inner": 64, "vocab": 1000,
+             "positions": 64},
+}  # fmt: skip
 VOCAB = 30522  # the BERT uncased vocabulary, which MiniLM shares
 
 
@@ -26,12 +29,12 @@ def write_random_checkpoint(
 
     spec = MODELS[name]
     config = transformers.BertConfig(
-        vocab_size=VOCAB,
+        vocab_size=spec.get("vocab", VOCAB),
         hidden_size=spec["hidden"],
         num_hidden_layers=spec["layers"],
         num_attention_heads=spec["heads"],
         intermediate_size=spec["inner"],
-        max_position_embeddings=512,
+        max_position_embeddings=spec.get("positions", 512),
     )
     torch.manual_seed(0)
     model = transformers.BertModel(config, add_pooling_layer=False).to(dtype)

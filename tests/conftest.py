@@ -49,20 +49,8 @@ def client(stack: Stack) -> Iterator[berth_pb2_grpc.BerthStub]:
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> ModelEntry:
     """A random 2-layer BERT (hidden 32, 64 positions): a real model, fast."""
-    import torch
-    import transformers
+    from benchmarks.random_models import write_random_checkpoint
 
     directory = tmp_path_factory.mktemp("tiny")
-    config = transformers.BertConfig(
-        vocab_size=1000,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    transformers.BertModel(config, add_pooling_layer=False).save_pretrained(
-        directory, safe_serialization=True
-    )
+    write_random_checkpoint("tiny", directory)
     return ModelEntry(name="tiny", task="embed", checkpoint=str(directory), root="/")
