@@ -7,7 +7,8 @@ import asyncio
 
 from batcher.core import IMPLEMENTATION
 from batcher.engines import EnginePool
-from batcher.scheduler import ModelScheduler, SchedulerConfig
+from batcher.options import add_scheduler_flags, scheduler_config
+from batcher.scheduler import ModelScheduler
 from batcher.service import BatcherService
 from services.config import DEFAULT_BATCHER_PORT, add_flag, repository_flag
 from services.logs import setup_logging
@@ -23,21 +24,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_flag(parser, "host", "127.0.0.1", "address to listen on")
     add_flag(parser, "port", DEFAULT_BATCHER_PORT, "port to listen on")
     add_flag(parser, "engines", "127.0.0.1:50070", "comma-separated engine addresses")
-    add_flag(parser, "token-budget", 16384, "max padded tokens per batch")
-    add_flag(parser, "max-delay-ms", 5.0, "max wait for a batch to fill")
-    add_flag(parser, "queue-capacity", 4096, "max sequences queued per model")
-    add_flag(parser, "max-batch", 256, "max rows per batch")
-    add_flag(parser, "hedge-delay-ms", 50.0, "send a slow batch to a 2nd engine after")
-    add_flag(parser, "hedge-p95", False, "hedge after max(hedge delay, measured p95)")
-    add_flag(parser, "hedge-ratio", 0.1, "hedges allowed per batch (token bucket)")
-    add_flag(parser, "batch-timeout-s", 30.0, "an engine silent this long has failed")
-    add_flag(
-        parser, "breaker-failures", 3, "failed batches in a row that open the circuit"
-    )
-    add_flag(parser, "breaker-cooldown-s", 5.0, "open circuit waits this long to probe")
-    add_flag(
-        parser, "latency-target-ms", 50.0, "batch latency the adaptive sizes aim at"
-    )
+    add_scheduler_flags(parser)
     add_flag(parser, "metrics-port", 9465, "Prometheus /metrics port (0: off)")
     add_flag(
         parser, "drain-timeout-s", 30.0, "on SIGTERM, how long in-flight work may take"
@@ -51,19 +38,7 @@ async def main(args: argparse.Namespace) -> None:
     setup_tracing("batcher")
     serve_metrics("batcher", args.host, args.metrics_port)
     repository = load_repository(args.model_repository)
-    config = SchedulerConfig(
-        token_budget=args.token_budget,
-        max_delay_s=args.max_delay_ms / 1000,
-        capacity=args.queue_capacity,
-        max_batch=args.max_batch,
-        hedge_delay_s=args.hedge_delay_ms / 1000,
-        hedge_p95=args.hedge_p95,
-        hedge_ratio=args.hedge_ratio,
-        batch_timeout_s=args.batch_timeout_s,
-        breaker_failures=args.breaker_failures,
-        breaker_cooldown_s=args.breaker_cooldown_s,
-        latency_target_s=args.latency_target_ms / 1000,
-    )
+    config = scheduler_config(args)
     pool = EnginePool([a for a in args.engines.split(",") if a])
     schedulers = {
         name: ModelScheduler(entry, pool, config) for name, entry in repository.items()

@@ -18,6 +18,20 @@ log = logging.getLogger("berth.batcher")
 MAX_RESULTS_PER_MESSAGE = 512
 
 
+def describe(schedulers: dict[str, ModelScheduler]) -> internal_pb2.BatcherModels:
+    """Each model's circuit state and how many engines can take its batches."""
+    return internal_pb2.BatcherModels(
+        models=[
+            internal_pb2.BatcherModel(
+                name=name,
+                state=s.breaker.label,
+                healthy_engines=len(s.pool.available(name)),
+            )
+            for name, s in schedulers.items()
+        ]
+    )
+
+
 class BatcherService(internal_pb2_grpc.BatcherServicer):
     """Multiplexes gateways' sequences into the per-model schedulers."""
 
@@ -29,16 +43,7 @@ class BatcherService(internal_pb2_grpc.BatcherServicer):
         request: internal_pb2.BatcherModelsRequest,
         context: grpc.aio.ServicerContext,
     ) -> internal_pb2.BatcherModels:
-        return internal_pb2.BatcherModels(
-            models=[
-                internal_pb2.BatcherModel(
-                    name=name,
-                    state=s.breaker.label,
-                    healthy_engines=len(s.pool.available(name)),
-                )
-                for name, s in self.schedulers.items()
-            ]
-        )
+        return describe(self.schedulers)
 
     async def Submit(
         self,

@@ -9,6 +9,7 @@ left between the stages is the gRPC hops and the hand-offs around them.
     python benchmarks/latency.py          # the default repository's minilm
     python benchmarks/latency.py --model bert-base \
         --model-repository build/e2e/bert-base   # scripts/gpu_run.sh builds it
+    python benchmarks/latency.py --batcher-mode inline   # no batcher process
 """
 
 from __future__ import annotations
@@ -78,8 +79,23 @@ def main() -> None:
     parser.add_argument("--pause-ms", type=float, default=2.0)
     parser.add_argument("--gateways", type=int, default=1)
     parser.add_argument("--batchers", type=int, default=1)
+    parser.add_argument(
+        "--batcher-mode",
+        choices=("service", "inline"),
+        default="service",
+        help="inline: each gateway batches itself (no batcher process)",
+    )
+    parser.add_argument("--cpu-affinity", choices=("none", "spread"), default="none")
     args = parser.parse_args()
-    stack = Stack(args.model_repository, gateways=args.gateways, batchers=args.batchers)
+    stack = Stack(
+        args.model_repository,
+        gateways=args.gateways,
+        batchers=args.batchers,
+        extra_args=[
+            *("--batcher-mode", args.batcher_mode),
+            *("--cpu-affinity", args.cpu_affinity),
+        ],
+    )
     stack.wait_serving(600)
     try:
         stub = berth_pb2_grpc.BerthStub(grpc.insecure_channel(stack.gateway))
@@ -100,9 +116,14 @@ def main() -> None:
     finally:
         stack.stop()
     latencies.sort()
+    batching = (
+        "batching inline"
+        if args.batcher_mode == "inline"
+        else f"{args.batchers} batcher(s)"
+    )
     print(
         f"{args.model}, {args.calls} sequential single-text Embed calls, "
-        f"{args.gateways} gateway(s), {args.batchers} batcher(s)"
+        f"{args.gateways} gateway(s), {batching}, CPU affinity {args.cpu_affinity}"
     )
     print(f"{'client sees: p50':62} {statistics.median(latencies):8.3f} ms")
     print(f"{'client sees: p90':62} {latencies[int(0.9 * len(latencies))]:8.3f} ms")

@@ -67,6 +67,10 @@ class Caller:
 
 Work = tuple[internal_pb2.Batch, Caller]
 
+# Largest lone batch (rows x length) run on the event loop's thread: BERT-base
+# computes 1,024 tokens in about 0.4 ms on the H200 (benchmarks/engine.py).
+ON_LOOP_MAX_TOKENS = 1024
+
 
 class EngineService(internal_pb2_grpc.EngineServicer):
     """Runs padded batches from the batcher through the backend."""
@@ -179,10 +183,13 @@ class EngineService(internal_pb2_grpc.EngineServicer):
                 item = await self._next_work(wait=True)
                 assert item is not None  # (wait=True returns a batch)
                 batch, caller = item
-                if self._work.empty():  # nothing to overlap: one thread hop
-                    caller.answer(
-                        await loop.run_in_executor(compute, self.run_batch, batch)
-                    )
+                if self._work.empty():  # nothing to overlap
+                    if self._on_loop(batch):
+                        caller.answer(self.run_batch(batch))
+                    else:  # one thread hop
+                        caller.answer(
+                            await loop.run_in_executor(compute, self.run_batch, batch)
+                        )
                     continue
                 started = await loop.run_in_executor(compute, self.start, batch)
                 in_flight = (started, caller)
@@ -196,6 +203,18 @@ class EngineService(internal_pb2_grpc.EngineServicer):
             in_flight = None
             if item is not None and started_next is not None:
                 in_flight = (started_next, item[1])
+
+    def _on_loop(self, batch: internal_pb2.Batch) -> bool:
+        """Whether a lone batch runs on the event loop's own thread: a small
+        one on a backend that queues work on a GPU stream (its host part is
+        a graph launch, its wait a fraction of a millisecond). The hand-off
+        to the compute thread and back costs two cross-CPU wake-ups, which
+        on the H200 machine's virtual CPUs cost more than such a batch
+        computes. Larger batches and CPU backends keep the loop free."""
+        return (
+            getattr(self.backend, "submit", None) is not None
+            and batch.batch_size * batch.length <= ON_LOOP_MAX_TOKENS
+        )
 
     def _advance(
         self, done: Started, batch: internal_pb2.Batch | None

@@ -6,8 +6,10 @@ import argparse
 import asyncio
 import logging
 
-from gateway.batcher_client import BatcherClient
+from batcher.options import add_scheduler_flags, scheduler_config
+from gateway.batcher_client import BatcherClient, Batching
 from gateway.cache import ResponseCache
+from gateway.inline import InlineBatcher
 from gateway.kserve import SERVICE_NAME as KSERVE_SERVICE
 from gateway.kserve import KServeService
 from gateway.service import BerthService, Gateway
@@ -36,6 +38,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_flag(parser, "host", "127.0.0.1", "address to listen on")
     add_flag(parser, "port", DEFAULT_GATEWAY_PORT, "port to listen on")
     add_flag(parser, "batcher", f"127.0.0.1:{DEFAULT_BATCHER_PORT}", "batcher address")
+    add_flag(
+        parser,
+        "engines",
+        "",
+        "comma-separated engine addresses: batch in this process and stream to "
+        "them (no batcher process; --batcher is then unused)",
+    )
     add_flag(parser, "max-texts", 256, "most texts in one call")
     add_flag(parser, "max-in-flight", 1024, "requests in flight before shedding")
     add_flag(parser, "max-message-mb", 16, "largest request message accepted")
@@ -46,6 +55,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser, "drain-timeout-s", 30.0, "on SIGTERM, how long in-flight work may take"
     )
     repository_flag(parser)
+    batching = parser.add_argument_group(
+        "inline batching (with --engines): the batcher's own flags"
+    )
+    add_scheduler_flags(batching)  # type: ignore[arg-type]
     return parser.parse_args(argv)
 
 
@@ -116,7 +129,12 @@ async def main(args: argparse.Namespace) -> None:
     setup_tracing("gateway")
     serve_metrics("gateway", args.host, args.metrics_port)
     repository = load_repository(args.model_repository)
-    batcher = BatcherClient(args.batcher)
+    engines = [a for a in args.engines.split(",") if a]
+    batcher: Batching
+    if engines:
+        batcher = InlineBatcher(repository, engines, scheduler_config(args))
+    else:
+        batcher = BatcherClient(args.batcher)
     gateway = Gateway(
         repository,
         batcher,
@@ -134,11 +152,13 @@ async def main(args: argparse.Namespace) -> None:
     KServeService(gateway).add_to_server(server.server)
     await server.start()
     log.info(
-        "gateway models: %s; batcher %s",
+        "gateway models: %s; %s",
         ", ".join(
             f"{n} ({e.task}, max {e.max_tokens} tokens)" for n, e in repository.items()
         ),
-        args.batcher,
+        f"batching inline to engines {args.engines}"
+        if engines
+        else f"batcher {args.batcher}",
     )
     batcher.start()
     health = asyncio.create_task(watch_health(server, gateway))

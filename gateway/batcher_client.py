@@ -6,7 +6,7 @@ import asyncio
 import itertools
 import logging
 from collections.abc import AsyncIterator, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -39,6 +39,58 @@ def merge_messages(
     return merged
 
 
+def sequences(
+    model: str,
+    keys: list[int],
+    ids: list[np.ndarray],
+    timeout_ms: int,
+    trace_context: dict[str, str] | None,
+) -> internal_pb2.Sequences:
+    """One request's token ids, packed as the batcher takes them."""
+    offsets = np.zeros(len(ids) + 1, dtype="<i4")
+    np.cumsum([len(x) for x in ids], out=offsets[1:])
+    tokens = ids[0] if len(ids) == 1 else np.concatenate(ids)
+    return internal_pb2.Sequences(
+        model=model,
+        ids=keys,
+        token_ids=tokens.astype("<i4", copy=False).tobytes(),
+        offsets=offsets.tobytes(),
+        timeout_ms=timeout_ms,
+        trace_context=trace_context or {},
+    )
+
+
+def raise_first_failure(results: list[internal_pb2.SequenceResult]) -> None:
+    for result in results:
+        if result.code != 0:
+            raise from_code(result.code, result.message)
+
+
+class Batching(Protocol):
+    """What the gateway needs of its batcher: a remote batcher process
+    (BatcherClient) or the batcher's schedulers in its own process
+    (gateway.inline.InlineBatcher)."""
+
+    ready: asyncio.Event
+
+    @property
+    def connected(self) -> bool: ...
+
+    def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def run(
+        self,
+        model: str,
+        ids: list[np.ndarray],
+        timeout_ms: int,
+        trace_context: dict[str, str] | None = None,
+    ) -> list[internal_pb2.SequenceResult]: ...
+
+    async def models(self) -> internal_pb2.BatcherModels: ...
+
+
 class BatcherClient(
     StreamClient[
         internal_pb2.GatewayMessage,
@@ -63,20 +115,8 @@ class BatcherClient(
     ) -> list[internal_pb2.SequenceResult]:
         """Run every sequence through the model; raises the first failure."""
         keys = [next(self._ids) for _ in ids]
-        offsets = np.zeros(len(ids) + 1, dtype="<i4")
-        np.cumsum([len(x) for x in ids], out=offsets[1:])
-        tokens = ids[0] if len(ids) == 1 else np.concatenate(ids)
         message = internal_pb2.GatewayMessage(
-            sequences=[
-                internal_pb2.Sequences(
-                    model=model,
-                    ids=keys,
-                    token_ids=tokens.astype("<i4", copy=False).tobytes(),
-                    offsets=offsets.tobytes(),
-                    timeout_ms=timeout_ms,
-                    trace_context=trace_context or {},
-                )
-            ]
+            sequences=[sequences(model, keys, ids, timeout_ms, trace_context)]
         )
         futures = self.send_many(keys, message)
         try:
@@ -100,9 +140,7 @@ class BatcherClient(
                     internal_pb2.GatewayMessage(cancel=internal_pb2.Cancel(ids=left))
                 )
             raise
-        for result in results:
-            if result.code != 0:
-                raise from_code(result.code, result.message)
+        raise_first_failure(results)
         return results
 
     async def models(self) -> internal_pb2.BatcherModels:

@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 
 from gateway import metrics
-from gateway.batcher_client import BatcherClient
+from gateway.batcher_client import Batching
 from gateway.cache import ResponseCache
 from gateway.fallback import FallbackError, FallbackModel
 from gateway.tokenize import Limits, TextEncoder
@@ -141,7 +141,7 @@ class Gateway:
     def __init__(
         self,
         entries: dict[str, ModelEntry],
-        batcher: BatcherClient,
+        batcher: Batching,
         limits: Limits,
         max_in_flight: int,
         cache: ResponseCache | None = None,

@@ -109,6 +109,36 @@ def default_batchers(gateways: int) -> int:
     return max(1, gateways // 4)
 
 
+# CPUs a pinned GPU engine gets: its event loop and its compute thread.
+ENGINE_CPUS = 2
+
+
+def pin_children(children: list[Any], gpus: int) -> None:
+    """--cpu-affinity spread: each gateway and batcher on a CPU of its own
+    and each GPU engine on ENGINE_CPUS, from the CPUs this process may use
+    (wrapping around when there are too few). A process's threads (the
+    event loop, gRPC's poller) then hand work over on one CPU instead of
+    waking another; on the H200 machine's virtual CPUs a cross-CPU wake-up
+    is what a low-load hop mostly costs (benchmarks/grpc_floor.py: 1,361
+    unary calls/s one at a time over all 16 CPUs, 2,440 on 4). CPU engines
+    stay unpinned: their torch threads need every core."""
+    from services.supervisor import plan_cpus
+
+    pinned = [c for c in children if gpus or not c.name.startswith("engine")]
+    shares = [ENGINE_CPUS if c.name.startswith("engine") else 1 for c in pinned]
+    cpus = sorted(os.sched_getaffinity(0))
+    for child, plan in zip(pinned, plan_cpus(shares, cpus), strict=True):
+        child.cpus = plan
+    if sum(shares) > len(cpus):
+        logging.getLogger("berth.serve").warning(
+            "--cpu-affinity spread: %d CPU(s) for %d processes' shares of %d: "
+            "some share a CPU",
+            len(cpus),
+            len(pinned),
+            sum(shares),
+        )
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from services.logs import setup_logging
     from services.supervisor import Child, Supervisor, python_module
@@ -161,7 +191,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
             )
         )
     gateways = args.gateways or default_gateways(gpus)
-    batchers = max(1, min(args.batchers or default_batchers(gateways), gateways))
+    inline = args.batcher_mode == "inline"
+    batchers = (
+        0
+        if inline
+        else max(1, min(args.batchers or default_batchers(gateways), gateways))
+    )
+    # CPU batches take 100s of ms: hedge on the measured p95, not after 50
+    # ms, let batches grow to what keeps a CPU busy, and wait up to 50 ms for
+    # one to fill (small on that scale).
+    cpu_batching = ("--hedge-p95", "--latency-target-ms", "500", "--max-delay-ms", "50")
+    batching = () if gpus else cpu_batching
     # /metrics: gateway 0 on the base port, batcher 0 next, the engines, then
     # the other gateways, then the other batchers.
     batcher_metrics = [1] + [engines + gateways + i for i in range(1, batchers)]
@@ -182,18 +222,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     ",".join(engine_addresses),
                     "--metrics-port",
                     metrics_port(batcher_metrics[i]),
-                    # CPU batches take 100s of ms: hedge on the measured p95,
-                    # not after 50 ms, let batches grow to what keeps a CPU
-                    # busy, and wait up to 50 ms for one to fill (small on
-                    # that scale).
-                    *(
-                        "--hedge-p95",
-                        "--latency-target-ms",
-                        "500",
-                        "--max-delay-ms",
-                        "50",
-                    )
-                    * (not gpus),
+                    *batching,
                     *common,
                 ),
             )
@@ -212,23 +241,34 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     args.host,
                     "--port",
                     str(args.port),
-                    "--batcher",
-                    batcher_addresses[i % batchers],
+                    *(
+                        ("--engines", ",".join(engine_addresses), *batching)
+                        if inline
+                        else ("--batcher", batcher_addresses[i % batchers])
+                    ),
                     "--metrics-port",
                     metrics_port(0 if i == 0 else 1 + engines + i),
                     *common,
                 ),
             )
         )
+    if args.batcher_mode not in ("service", "inline"):
+        log.error("--batcher-mode must be service or inline, not %r", args.batcher_mode)
+        return 2
+    if args.cpu_affinity == "spread":
+        pin_children(children, gpus)
+    elif args.cpu_affinity != "none":
+        log.error("--cpu-affinity must be none or spread, not %r", args.cpu_affinity)
+        return 2
     supervisor = Supervisor(children)
     supervisor.start()
     log.info(
-        "starting %d engine(s) on %s, %d batcher(s) on %s, %d gateway "
-        "process(es) on %s",
+        "starting %d engine(s) on %s, %s, %d gateway process(es) on %s",
         engines,
         f"GPUs {', '.join(devices)}" if gpus else args.device,
-        batchers,
-        ", ".join(batcher_addresses),
+        "batching inline in each gateway"
+        if inline
+        else f"{batchers} batcher(s) on {', '.join(batcher_addresses)}",
         gateways,
         gateway,
     )
@@ -391,6 +431,14 @@ def build_parser() -> argparse.ArgumentParser:
         "batcher processes (ports from --batcher-port on); each gateway "
         "streams to one, every batcher to every engine (0: 1 per 4 gateways)",
     )
+    add_flag(
+        serve,
+        "batcher-mode",
+        "service",
+        "service: batcher processes between the gateways and the engines; "
+        "inline: each gateway batches its own requests and streams to the "
+        "engines (one hop fewer; --batchers is then unused)",
+    )
     add_flag(serve, "batcher-port", DEFAULT_BATCHER_PORT, "first batcher port")
     add_flag(serve, "engine-port", DEFAULT_ENGINE_PORT, "first engine port")
     add_flag(serve, "backend", "torch", "engine backend")
@@ -404,6 +452,13 @@ def build_parser() -> argparse.ArgumentParser:
         9464,
         "gateway's /metrics port; batcher +1, engines +2..., then further "
         "gateways, then further batchers (0: off)",
+    )
+    add_flag(
+        serve,
+        "cpu-affinity",
+        "none",
+        "none: processes run on any CPU; spread: each gateway and batcher on "
+        "a CPU of its own, each GPU engine on two",
     )
     serve.add_argument(
         "--chaos", action="store_true", help="engines take SIGUSR1 to fail batches"

@@ -34,6 +34,17 @@ def _die_with_parent() -> None:
         pass
 
 
+def plan_cpus(shares: list[int], cpus: list[int]) -> list[list[int]]:
+    """Consecutive CPUs for each process, ``shares[i]`` of them, in order,
+    wrapping around when there are fewer CPUs than shares (then some share)."""
+    plan = []
+    at = 0
+    for share in shares:
+        plan.append(sorted({cpus[(at + k) % len(cpus)] for k in range(share)}))
+        at += share
+    return plan
+
+
 @dataclass
 class Child:
     """One supervised process."""
@@ -41,16 +52,30 @@ class Child:
     name: str
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
+    # CPUs the process (every thread it starts) may run on; None: any.
+    cpus: list[int] | None = None
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     started_at: float = 0.0
 
     def start(self) -> None:
         env = {**os.environ, **self.env}
-        self.proc = subprocess.Popen(self.argv, env=env, preexec_fn=_die_with_parent)
+        cpus = self.cpus
+
+        def setup() -> None:
+            _die_with_parent()
+            if cpus is not None:
+                os.sched_setaffinity(0, cpus)
+
+        self.proc = subprocess.Popen(self.argv, env=env, preexec_fn=setup)
         self.started_at = time.monotonic()
+        pinned = f" on CPU(s) {','.join(map(str, cpus))}" if cpus is not None else ""
         log.info(
-            "started %s (pid %d): %s", self.name, self.proc.pid, " ".join(self.argv)
+            "started %s (pid %d)%s: %s",
+            self.name,
+            self.proc.pid,
+            pinned,
+            " ".join(self.argv),
         )
 
     def stop(self, sig: int = signal.SIGTERM) -> None:

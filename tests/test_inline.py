@@ -1,0 +1,149 @@
+"""`berth serve --batcher-mode inline`: each gateway batches its own calls
+and streams to the engines itself (no batcher process), and
+`--cpu-affinity spread` pins each gateway to a CPU of its own."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
+from services.supervisor import plan_cpus
+from tests.stack import Stack, pid_listening
+from tests.test_observability import scrape, value
+
+OK = r'berth_batcher_sequences_total\{.*model="minilm".*outcome="ok".*\}'
+CANCELLED = r'berth_batcher_sequences_total\{.*outcome="cancelled".*\}'
+
+
+@pytest.fixture(scope="module")
+def inline(repository: Path) -> Iterator[Stack]:
+    stack = Stack(
+        repository,
+        gateways=2,
+        extra_args=["--batcher-mode", "inline", "--cpu-affinity", "spread"],
+    )
+    try:
+        stack.wait_serving()
+        yield stack
+    finally:
+        code = stack.stop()
+        assert code == 0, f"berth serve exited with {code}:\n{stack.logs()}"
+
+
+def children(parent: int) -> dict[int, str]:
+    """pid -> command line of each child of ``parent``."""
+    out = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, IndexError):
+            continue
+        if int(stat[1]) == parent:
+            out[int(proc.name)] = cmdline
+    return out
+
+
+def test_inline_answers_as_the_batcher_does(
+    inline: Stack, client: berth_pb2_grpc.BerthStub
+) -> None:
+    texts = ["inline batching", "one hop fewer", "a third, longer text " * 8]
+    with grpc.insecure_channel(inline.gateway) as channel:
+        stub = berth_pb2_grpc.BerthStub(channel)
+        request = berth_pb2.EmbedRequest(model="minilm", texts=texts)
+        got = stub.Embed(request, timeout=60)
+        label = stub.Classify(
+            berth_pb2.ClassifyRequest(model="intent", texts=["play some jazz"]),
+            timeout=60,
+        )
+    # The same texts through the default stack (gateway -> batcher -> engine).
+    want = client.Embed(berth_pb2.EmbedRequest(model="minilm", texts=texts), timeout=60)
+    assert not got.degraded
+    for a, b in zip(got.embeddings, want.embeddings, strict=True):
+        np.testing.assert_allclose(a.values, b.values, atol=1e-5)
+    want_label = client.Classify(
+        berth_pb2.ClassifyRequest(model="intent", texts=["play some jazz"]),
+        timeout=60,
+    )
+    assert label.results[0].labels[0].label == want_label.results[0].labels[0].label
+    # Batched by a gateway's own scheduler: its /metrics counts the texts.
+    gateway_urls = (inline.metrics[0], inline.metrics[3])
+    assert sum(value(scrape(u), OK) for u in gateway_urls) >= len(texts) + 1
+
+
+def test_inline_runs_no_batcher_and_pins_each_gateway(inline: Stack) -> None:
+    procs = children(inline.proc.pid)
+    assert not [c for c in procs.values() if "-m batcher" in c], procs
+    gateways = [pid for pid, c in procs.items() if "-m gateway" in c]
+    assert len(gateways) == 2
+    cpus = sorted(os.sched_getaffinity(0))
+    pinned = [os.sched_getaffinity(pid) for pid in gateways]
+    # One CPU each (CPU engines stay unpinned: their torch threads need the
+    # cores): on two or more CPUs, two different ones.
+    assert all(len(p) == 1 and p <= set(cpus) for p in pinned), pinned
+    if len(cpus) >= 2:
+        assert pinned[0] != pinned[1]
+    engines = [pid for pid, c in procs.items() if "-m engine" in c]
+    assert all(os.sched_getaffinity(pid) == set(cpus) for pid in engines)
+
+
+def test_a_cancelled_call_leaves_the_inline_queue(inline: Stack) -> None:
+    """A caller that gives up has its texts dropped from its gateway's queue."""
+    engine = pid_listening("engine", int(inline.engines[0].rsplit(":", 1)[1]))
+    # One connection: every call of this test reaches the same gateway.
+    channel = grpc.insecure_channel(inline.gateway)
+    stub = berth_pb2_grpc.BerthStub(channel)
+    stub.Embed(berth_pb2.EmbedRequest(model="minilm", texts=["which gateway"]))
+    gateway_urls = (inline.metrics[0], inline.metrics[3])
+    before = [value(scrape(u), CANCELLED) for u in gateway_urls]
+    os.kill(engine, signal.SIGSTOP)
+    try:
+        # Two batches take the stalled engine's two slots...
+        blockers = [
+            stub.Embed.future(
+                berth_pb2.EmbedRequest(model="minilm", texts=[f"blocker {i}"]),
+                timeout=120,
+            )
+            for i in range(2)
+        ]
+        time.sleep(0.5)
+        # ...so these stay queued in the gateway until cancelled.
+        calls = [
+            stub.Embed.future(
+                berth_pb2.EmbedRequest(model="minilm", texts=texts), timeout=120
+            )
+            for texts in (["cancel me"], ["and me", "and me too"])
+        ]
+        time.sleep(0.5)
+        for call in calls:
+            call.cancel()
+        deadline = time.monotonic() + 20
+        dropped = 0.0
+        while time.monotonic() < deadline:
+            after = [value(scrape(u), CANCELLED) for u in gateway_urls]
+            dropped = sum(after) - sum(before)
+            if dropped >= 3:
+                break
+            time.sleep(0.2)
+        assert dropped == 3
+    finally:
+        os.kill(engine, signal.SIGCONT)
+    for blocker in blockers:  # the engine resumes and answers them
+        assert len(blocker.result(timeout=120).embeddings) == 1
+    channel.close()
+
+
+def test_plan_cpus_gives_consecutive_shares_and_wraps() -> None:
+    assert plan_cpus([2, 1, 1], [0, 1, 2, 3, 4]) == [[0, 1], [2], [3]]
+    # Fewer CPUs than shares: round the list again (some processes share).
+    assert plan_cpus([2, 1, 1, 1], [4, 5, 6]) == [[4, 5], [6], [4], [5]]
