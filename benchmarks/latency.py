@@ -86,6 +86,9 @@ def main() -> None:
         help="inline: each gateway batches itself (no batcher process)",
     )
     parser.add_argument("--cpu-affinity", choices=("none", "spread"), default="none")
+    parser.add_argument(
+        "--grpc-io", choices=("poller", "event-engine"), default="poller"
+    )
     args = parser.parse_args()
     stack = Stack(
         args.model_repository,
@@ -94,6 +97,7 @@ def main() -> None:
         extra_args=[
             *("--batcher-mode", args.batcher_mode),
             *("--cpu-affinity", args.cpu_affinity),
+            *("--grpc-io", args.grpc_io),
         ],
     )
     stack.wait_serving(600)
@@ -123,7 +127,8 @@ def main() -> None:
     )
     print(
         f"{args.model}, {args.calls} sequential single-text Embed calls, "
-        f"{args.gateways} gateway(s), {batching}, CPU affinity {args.cpu_affinity}"
+        f"{args.gateways} gateway(s), {batching}, CPU affinity {args.cpu_affinity}, "
+        f"gRPC I/O {args.grpc_io}"
     )
     print(f"{'client sees: p50':62} {statistics.median(latencies):8.3f} ms")
     print(f"{'client sees: p90':62} {latencies[int(0.9 * len(latencies))]:8.3f} ms")
