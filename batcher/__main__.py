@@ -12,6 +12,7 @@ from batcher.scheduler import ModelScheduler
 from batcher.service import BatcherService
 from services.config import DEFAULT_BATCHER_PORT, add_flag, repository_flag
 from services.logs import setup_logging
+from services.loop import run
 from services.metrics import serve_metrics
 from services.proto.berth.v1 import internal_pb2, internal_pb2_grpc
 from services.repository import load_repository
@@ -81,4 +82,4 @@ async def main(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(parse_args()))
+    run(main(parse_args()))

@@ -22,6 +22,7 @@ from services.config import (
 )
 from services.errors import BerthError, Unavailable
 from services.logs import setup_logging
+from services.loop import run
 from services.metrics import serve_metrics
 from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
 from services.repository import load_repository
@@ -172,4 +173,4 @@ async def main(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(parse_args()))
+    run(main(parse_args()))

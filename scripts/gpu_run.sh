@@ -27,7 +27,7 @@
 # Carried, because the device machine reaches no registry:
 #   .whl/             cp312 wheels of grpcio>=1.85.1 (our stubs need it; the
 #                     image has 1.84), grpcio-tools, protobuf, health,
-#                     reflection, opentelemetry-api; installed to /tmp/site
+#                     reflection, opentelemetry-api, uvloop; installed to /tmp/site
 #   build/gpu_carry/  `python -m tests.gpu.reference build/gpu_carry`: the
 #                     MiniLM checkpoint in fp16 and fp32 CPU references
 # The GPU's clocks, power limit and MIG layout are only read, never set.

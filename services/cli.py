@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +116,21 @@ def default_batchers(gateways: int) -> int:
 # EventEngine thread: one cross-thread wake-up fewer per message.
 GRPC_IO = {"poller": "-event_engine_client,-event_engine_listener", "event-engine": ""}
 
+
+def set_grpc_io(children: list[Any], choice: str, environ: Mapping[str, str]) -> None:
+    """GRPC_EXPERIMENTS for each child, per --grpc-io, unless the caller set
+    it (then theirs applies to every child, as the environment would)."""
+    if "GRPC_EXPERIMENTS" in environ:
+        logging.getLogger("berth.serve").info(
+            "GRPC_EXPERIMENTS=%r is set: --grpc-io %s not applied",
+            environ["GRPC_EXPERIMENTS"],
+            choice,
+        )
+        return
+    for child in children:
+        child.env["GRPC_EXPERIMENTS"] = GRPC_IO[choice]
+
+
 # CPUs a pinned GPU engine gets: its event loop and its compute thread.
 ENGINE_CPUS = 2
 
@@ -150,6 +166,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from services.supervisor import Child, Supervisor, python_module
 
     log = setup_logging("serve")
+    for flag, value, allowed in (
+        ("--batcher-mode", args.batcher_mode, ("service", "inline")),
+        ("--grpc-io", args.grpc_io, tuple(GRPC_IO)),
+        ("--cpu-affinity", args.cpu_affinity, ("none", "spread")),
+    ):
+        if value not in allowed:
+            log.error("%s must be one of %s, not %r", flag, ", ".join(allowed), value)
+            return 2
     repo = Path(args.model_repository)
     if args.build_models and not any(repo.glob("*/berth.json")):
         # Only an empty repository gets the defaults: a user's own entries,
@@ -258,26 +282,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 ),
             )
         )
-    if args.grpc_io not in GRPC_IO:
-        log.error("--grpc-io must be poller or event-engine, not %r", args.grpc_io)
-        return 2
-    if "GRPC_EXPERIMENTS" in os.environ:
-        log.info(
-            "GRPC_EXPERIMENTS=%r is set: --grpc-io %s not applied",
-            os.environ["GRPC_EXPERIMENTS"],
-            args.grpc_io,
-        )
-    else:
-        for child in children:
-            child.env["GRPC_EXPERIMENTS"] = GRPC_IO[args.grpc_io]
-    if args.batcher_mode not in ("service", "inline"):
-        log.error("--batcher-mode must be service or inline, not %r", args.batcher_mode)
-        return 2
+    set_grpc_io(children, args.grpc_io, os.environ)
     if args.cpu_affinity == "spread":
         pin_children(children, gpus)
-    elif args.cpu_affinity != "none":
-        log.error("--cpu-affinity must be none or spread, not %r", args.cpu_affinity)
-        return 2
     supervisor = Supervisor(children)
     supervisor.start()
     log.info(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from collections.abc import Awaitable, Callable, Iterable
 
@@ -60,7 +61,13 @@ class ServiceServer:
     async def start(self) -> None:
         await self.set_serving(False)
         await self.server.start()
-        log.info("%s listening on %s", self.name, self.address)
+        log.info(
+            "%s listening on %s (event loop: %s, gRPC experiments: %s)",
+            self.name,
+            self.address,
+            type(asyncio.get_running_loop()).__module__.split(".")[0],
+            os.environ.get("GRPC_EXPERIMENTS") or "gRPC's defaults",
+        )
 
     async def set_serving(self, serving: bool) -> None:
         status = (

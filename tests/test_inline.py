@@ -1,10 +1,12 @@
 """`berth serve --batcher-mode inline`: each gateway batches its own calls
-and streams to the engines itself (no batcher process), and
-`--cpu-affinity spread` pins each gateway to a CPU of its own."""
+and streams to the engines itself (no batcher process); `--cpu-affinity
+spread` pins each gateway to a CPU of its own; `--grpc-io` picks gRPC's I/O
+for every child."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -14,8 +16,9 @@ import grpc
 import numpy as np
 import pytest
 
+from services.cli import GRPC_IO, set_grpc_io
 from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
-from services.supervisor import plan_cpus
+from services.supervisor import Child, plan_cpus
 from tests.stack import Stack, pid_listening
 from tests.test_observability import scrape, value
 
@@ -32,6 +35,12 @@ def inline(repository: Path) -> Iterator[Stack]:
     )
     try:
         stack.wait_serving()
+        # Health on the shared port answers from one gateway; wait for both
+        # (one still connecting to the engines would answer from the fallback).
+        deadline = time.monotonic() + 120
+        while stack.logs().count("gateway SERVING on") < 2:
+            assert time.monotonic() < deadline, stack.logs()
+            time.sleep(0.2)
         yield stack
     finally:
         code = stack.stop()
@@ -95,6 +104,40 @@ def test_inline_runs_no_batcher_and_pins_each_gateway(inline: Stack) -> None:
         assert pinned[0] != pinned[1]
     engines = [pid for pid, c in procs.items() if "-m engine" in c]
     assert all(os.sched_getaffinity(pid) == set(cpus) for pid in engines)
+
+
+def environ(pid: int) -> dict[str, str]:
+    raw = (Path("/proc") / str(pid) / "environ").read_bytes().decode()
+    return dict(kv.split("=", 1) for kv in raw.split("\0") if "=" in kv)
+
+
+@pytest.mark.skipif(
+    "GRPC_EXPERIMENTS" in os.environ, reason="the caller's GRPC_EXPERIMENTS wins"
+)
+def test_every_process_runs_grpc_pollers_on_uvloop(inline: Stack) -> None:
+    """--grpc-io poller (the default) reaches every child, and each service
+    says which event loop and gRPC experiments it runs with."""
+    for pid in children(inline.proc.pid):
+        assert environ(pid).get("GRPC_EXPERIMENTS") == GRPC_IO["poller"]
+    logs = inline.logs()
+    for name in ("gateway", "engine"):
+        assert re.search(
+            rf"{name} listening on \S+ \(event loop: uvloop, gRPC experiments: "
+            rf"{re.escape(GRPC_IO['poller'])}\)",
+            logs,
+        ), logs[-3000:]
+
+
+def test_a_callers_grpc_experiments_win() -> None:
+    kids = [Child("gateway", ["true"]), Child("engine-0", ["true"], {"A": "1"})]
+    set_grpc_io(kids, "poller", {})
+    assert [k.env["GRPC_EXPERIMENTS"] for k in kids] == [GRPC_IO["poller"]] * 2
+    assert kids[1].env["A"] == "1"
+    set_grpc_io(kids, "event-engine", {})
+    assert [k.env["GRPC_EXPERIMENTS"] for k in kids] == ["", ""]
+    theirs = [Child("gateway", ["true"])]
+    set_grpc_io(theirs, "poller", {"GRPC_EXPERIMENTS": "-some_experiment"})
+    assert "GRPC_EXPERIMENTS" not in theirs[0].env  # inherited from the caller
 
 
 def test_a_cancelled_call_leaves_the_inline_queue(inline: Stack) -> None:
