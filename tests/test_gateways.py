@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -76,6 +76,51 @@ def test_connections_spread_over_gateways_and_batchers(two_gateways: Stack) -> N
     )
 
 
+def cancel_behind_a_stalled_engine(
+    stub: berth_pb2_grpc.BerthStub, engine: int, cancelled: Callable[[], float]
+) -> None:
+    """Stall the engine, fill its two slots, queue three texts in two calls
+    and cancel them: ``cancelled()`` (a count of dropped sequences) grows by
+    exactly 3, and once the engine resumes the blockers are answered."""
+    before = cancelled()
+    os.kill(engine, signal.SIGSTOP)
+    try:
+        # Two batches take the stalled engine's two slots...
+        blockers = [
+            stub.Embed.future(
+                berth_pb2.EmbedRequest(model="minilm", texts=[f"blocker {i}"]),
+                timeout=120,
+            )
+            for i in range(2)
+        ]
+        time.sleep(0.5)
+        # ...so these stay queued until cancelled.
+        calls = [
+            stub.Embed.future(
+                berth_pb2.EmbedRequest(model="minilm", texts=texts), timeout=120
+            )
+            for texts in (["cancel me"], ["and me", "and me too"])
+        ]
+        time.sleep(0.5)
+        for call in calls:
+            call.cancel()
+        deadline = time.monotonic() + 20
+        dropped = 0.0
+        while time.monotonic() < deadline:
+            dropped = cancelled() - before
+            if dropped >= 3:
+                break
+            time.sleep(0.2)
+        assert dropped == 3
+    finally:
+        os.kill(engine, signal.SIGCONT)
+    for blocker in blockers:  # the engine resumes and answers them
+        assert len(blocker.result(timeout=120).embeddings) == 1
+
+
+CANCELLED = r'berth_batcher_sequences_total\{.*outcome="cancelled".*\}'
+
+
 def test_a_cancelled_call_leaves_the_batcher_queue(repository: Path) -> None:
     """A caller that gives up has its texts dropped from the batcher's queue
     (not computed and thrown away), for one-text and many-text calls."""
@@ -84,40 +129,8 @@ def test_a_cancelled_call_leaves_the_batcher_queue(repository: Path) -> None:
         stack.wait_serving()
         engine = pid_listening("engine", int(stack.engines[0].rsplit(":", 1)[1]))
         stub = berth_pb2_grpc.BerthStub(grpc.insecure_channel(stack.gateway))
-        cancelled = r'berth_batcher_sequences_total\{.*outcome="cancelled".*\}'
-        before = value(scrape(stack.metrics[1]), cancelled)
-        os.kill(engine, signal.SIGSTOP)
-        try:
-            # Two batches take the stalled engine's two slots...
-            blockers = [
-                stub.Embed.future(
-                    berth_pb2.EmbedRequest(model="minilm", texts=[f"blocker {i}"]),
-                    timeout=120,
-                )
-                for i in range(2)
-            ]
-            time.sleep(0.5)
-            # ...so these stay queued in the batcher until cancelled.
-            calls = [
-                stub.Embed.future(
-                    berth_pb2.EmbedRequest(model="minilm", texts=texts), timeout=120
-                )
-                for texts in (["cancel me"], ["and me", "and me too"])
-            ]
-            time.sleep(0.5)
-            for call in calls:
-                call.cancel()
-            deadline = time.monotonic() + 20
-            dropped = 0.0
-            while time.monotonic() < deadline:
-                dropped = value(scrape(stack.metrics[1]), cancelled) - before
-                if dropped >= 3:
-                    break
-                time.sleep(0.2)
-            assert dropped == 3
-        finally:
-            os.kill(engine, signal.SIGCONT)
-        for blocker in blockers:  # the engine resumes and answers them
-            assert len(blocker.result(timeout=120).embeddings) == 1
+        cancel_behind_a_stalled_engine(
+            stub, engine, lambda: value(scrape(stack.metrics[1]), CANCELLED)
+        )
     finally:
         stack.stop()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,10 +19,10 @@ from services.cli import GRPC_IO, set_grpc_io
 from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
 from services.supervisor import Child, plan_cpus
 from tests.stack import Stack, pid_listening
+from tests.test_gateways import CANCELLED, cancel_behind_a_stalled_engine
 from tests.test_observability import scrape, value
 
 OK = r'berth_batcher_sequences_total\{.*model="minilm".*outcome="ok".*\}'
-CANCELLED = r'berth_batcher_sequences_total\{.*outcome="cancelled".*\}'
 
 
 @pytest.fixture(scope="module")
@@ -144,46 +143,13 @@ def test_a_cancelled_call_leaves_the_inline_queue(inline: Stack) -> None:
     """A caller that gives up has its texts dropped from its gateway's queue."""
     engine = pid_listening("engine", int(inline.engines[0].rsplit(":", 1)[1]))
     # One connection: every call of this test reaches the same gateway.
-    channel = grpc.insecure_channel(inline.gateway)
-    stub = berth_pb2_grpc.BerthStub(channel)
-    stub.Embed(berth_pb2.EmbedRequest(model="minilm", texts=["which gateway"]))
-    gateway_urls = (inline.metrics[0], inline.metrics[3])
-    before = [value(scrape(u), CANCELLED) for u in gateway_urls]
-    os.kill(engine, signal.SIGSTOP)
-    try:
-        # Two batches take the stalled engine's two slots...
-        blockers = [
-            stub.Embed.future(
-                berth_pb2.EmbedRequest(model="minilm", texts=[f"blocker {i}"]),
-                timeout=120,
-            )
-            for i in range(2)
-        ]
-        time.sleep(0.5)
-        # ...so these stay queued in the gateway until cancelled.
-        calls = [
-            stub.Embed.future(
-                berth_pb2.EmbedRequest(model="minilm", texts=texts), timeout=120
-            )
-            for texts in (["cancel me"], ["and me", "and me too"])
-        ]
-        time.sleep(0.5)
-        for call in calls:
-            call.cancel()
-        deadline = time.monotonic() + 20
-        dropped = 0.0
-        while time.monotonic() < deadline:
-            after = [value(scrape(u), CANCELLED) for u in gateway_urls]
-            dropped = sum(after) - sum(before)
-            if dropped >= 3:
-                break
-            time.sleep(0.2)
-        assert dropped == 3
-    finally:
-        os.kill(engine, signal.SIGCONT)
-    for blocker in blockers:  # the engine resumes and answers them
-        assert len(blocker.result(timeout=120).embeddings) == 1
-    channel.close()
+    with grpc.insecure_channel(inline.gateway) as channel:
+        gateway_urls = (inline.metrics[0], inline.metrics[3])
+        cancel_behind_a_stalled_engine(
+            berth_pb2_grpc.BerthStub(channel),
+            engine,
+            lambda: sum(value(scrape(u), CANCELLED) for u in gateway_urls),
+        )
 
 
 def test_plan_cpus_gives_consecutive_shares_and_wraps() -> None:
