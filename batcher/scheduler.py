@@ -479,9 +479,10 @@ class ModelScheduler:
         self, engine: EngineClient, message: internal_pb2.Batch, slot_taken: bool
     ) -> internal_pb2.BatchResult:
         try:
-            result = await asyncio.wait_for(
-                engine.run(message, slot_taken), self.config.batch_timeout_s
-            )
+            # (asyncio.timeout, not wait_for: on Python 3.11 wait_for runs the
+            # call as a task of its own, one more hand-off per batch.)
+            async with asyncio.timeout(self.config.batch_timeout_s):
+                result = await engine.run(message, slot_taken)
         except TimeoutError:
             engine.cancel(message.id)
             engine.record_failure("batch timed out")

@@ -9,7 +9,9 @@ batcher's own scheduler and engine pool:
 - an engine busy with a long batch is not ejected when a short batch queued
   behind it loses to its hedge (only an engine slow on its only batch is);
 - a hedge goes only to an engine with a free slot (one queued behind a full
-  engine's work rarely wins and takes capacity the load needs).
+  engine's work rarely wins and takes capacity the load needs);
+- a batch its engine does not answer within the batch timeout fails with a
+  clear status, and the engine is ejected.
 """
 
 from __future__ import annotations
@@ -180,3 +182,39 @@ def test_no_hedge_goes_to_an_engine_whose_slots_are_full(tiny: ModelEntry) -> No
     hedged, answers = asyncio.run(scenario())
     assert all(a.code == 0 for a in answers), [a.message for a in answers]
     assert hedged == 0, f"{hedged} hedges sent to engines with no free slot"
+
+
+def test_a_batch_its_engine_does_not_answer_in_time_fails_clearly(
+    tiny: ModelEntry,
+) -> None:
+    """Past --batch-timeout-s the batch is answered UNAVAILABLE with a message
+    that names the flag, and its engine sits out a back-off."""
+    entry = dataclasses.replace(tiny, buckets=BUCKETS)
+    release = threading.Event()
+
+    async def scenario() -> tuple[list[internal_pb2.SequenceResult], int, float]:
+        service, server, address = engine(entry)
+        pool = EnginePool([address])
+        config = SchedulerConfig(max_delay_s=0.001, batch_timeout_s=0.3)
+        scheduler = ModelScheduler(entry, pool, config)
+        service._compute.submit(release.wait)  # the device is stuck elsewhere
+        await serving(scheduler, pool, server)
+        answers: list[internal_pb2.SequenceResult] = []
+        scheduler.submit(sequences(entry.name, [5]), answers.append)
+        try:
+            while not answers:
+                await asyncio.sleep(0.01)
+            (client,) = pool.engines
+            return answers, client.failures, client.ejected_until
+        finally:
+            release.set()
+            await scheduler.drain()
+            await pool.close()
+            await server.stop(None)
+
+    answers, failures, ejected_until = asyncio.run(scenario())
+    (answer,) = answers
+    assert answer.code == grpc.StatusCode.UNAVAILABLE.value[0]
+    assert "did not answer a batch" in answer.message, answer.message
+    assert "--batch-timeout-s" in answer.message
+    assert failures == 1 and ejected_until > 0
