@@ -68,7 +68,8 @@ class Caller:
 Work = tuple[internal_pb2.Batch, Caller]
 
 # Largest lone batch (rows x length) run on the event loop's thread: BERT-base
-# computes 1,024 tokens in about 0.4 ms on the H200 (benchmarks/engine.py).
+# computes 1,024 tokens in 0.6-0.7 ms on the H200, one 128-token text in 0.38
+# (benchmarks/results/engine_h200.json, graph times).
 ON_LOOP_MAX_TOKENS = 1024
 
 

@@ -56,10 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser, "drain-timeout-s", 30.0, "on SIGTERM, how long in-flight work may take"
     )
     repository_flag(parser)
-    batching = parser.add_argument_group(
-        "inline batching (with --engines): the batcher's own flags"
-    )
-    add_scheduler_flags(batching)  # type: ignore[arg-type]
+    add_scheduler_flags(parser)  # used when batching inline (--engines)
     return parser.parse_args(argv)
 
 
