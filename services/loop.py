@@ -9,12 +9,9 @@ asyncio keeps the standard library's loop.
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 from collections.abc import Coroutine
 from typing import Any, TypeVar
-
-log = logging.getLogger("berth.loop")
 
 T = TypeVar("T")
 
