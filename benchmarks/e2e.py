@@ -337,20 +337,12 @@ def server_cpu(supervisor_pid: int | None) -> dict[tuple[str, int], float]:
     """CPU seconds used so far by each child of `berth serve`: (role, pid)."""
     if supervisor_pid is None:
         return {}
-    tick = os.sysconf("SC_CLK_TCK")
-    used: dict[tuple[str, int], float] = {}
-    for proc in Path("/proc").iterdir():
-        try:
-            stat = (proc / "stat").read_text()
-            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
-        except (OSError, ValueError):
-            continue
-        fields = stat.rsplit(")", 1)[-1].split()
-        if not proc.name.isdigit() or int(fields[1]) != supervisor_pid:
-            continue
-        role = cmdline[2].decode() if len(cmdline) > 2 else "?"  # python -m ROLE
-        used[role, int(proc.name)] = (int(fields[11]) + int(fields[12])) / tick
-    return used
+    from tests.stack import children
+
+    return {
+        (argv[2] if len(argv) > 2 else "?", pid): cpu  # python -m ROLE
+        for pid, (argv, cpu) in children(supervisor_pid).items()
+    }
 
 
 def cpu_by_role(

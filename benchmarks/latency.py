@@ -15,7 +15,6 @@ left between the stages is the gRPC hops and the hand-offs around them.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import statistics
 import sys
@@ -28,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import grpc  # noqa: E402
 
 from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc  # noqa: E402
-from tests.stack import ROOT, Stack  # noqa: E402
+from tests.stack import ROOT, Stack, children  # noqa: E402
 
 METRIC = re.compile(r"(berth_\w+_seconds)_(sum|count)\{([^}]*)\} (\S+)")
 
@@ -50,22 +49,10 @@ def scrape(urls: list[str]) -> dict[tuple[str, str, str], float]:
 
 def cpu_seconds(parent: int) -> dict[str, float]:
     """CPU seconds so far of each child of ``parent``, by role."""
-    tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-            if int(stat[1]) != parent:
-                continue
-            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except (OSError, IndexError, ValueError):
-            continue
-        role = next(
-            (r for r in ("gateway", "batcher", "engine") if f"-m {r}" in cmd), "?"
-        )
-        out[role] = out.get(role, 0.0) + (int(stat[11]) + int(stat[12])) / tick
+    for argv, cpu in children(parent).values():
+        role = next((r for r in ("gateway", "batcher", "engine") if r in argv), "?")
+        out[role] = out.get(role, 0.0) + cpu
     return out
 
 

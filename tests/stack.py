@@ -147,6 +147,25 @@ def _free_run(n: int) -> int:
     raise RuntimeError("no run of free ports")
 
 
+def children(parent: int) -> dict[int, tuple[list[str], float]]:
+    """pid -> (argv, CPU seconds used so far) of each child of ``parent``
+    (from /proc; `berth serve`'s children are `python -m ROLE ...`)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            argv = (proc / "cmdline").read_bytes().decode(errors="replace")
+        except (OSError, IndexError):
+            continue
+        if int(stat[1]) == parent:
+            cpu = (int(stat[11]) + int(stat[12])) / tick
+            out[int(proc.name)] = (argv.split("\0"), cpu)
+    return out
+
+
 def pid_listening(module: str, port: int) -> int:
     """The pid of `python -m <module> ... --port <port>` (from /proc)."""
     for proc in Path("/proc").iterdir():

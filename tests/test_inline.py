@@ -18,7 +18,7 @@ import pytest
 from services.cli import GRPC_IO, set_grpc_io
 from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
 from services.supervisor import Child, plan_cpus
-from tests.stack import Stack, pid_listening
+from tests.stack import Stack, children, pid_listening
 from tests.test_gateways import CANCELLED, cancel_behind_a_stalled_engine
 from tests.test_observability import scrape, value
 
@@ -44,22 +44,6 @@ def inline(repository: Path) -> Iterator[Stack]:
     finally:
         code = stack.stop()
         assert code == 0, f"berth serve exited with {code}:\n{stack.logs()}"
-
-
-def children(parent: int) -> dict[int, str]:
-    """pid -> command line of each child of ``parent``."""
-    out = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except (OSError, IndexError):
-            continue
-        if int(stat[1]) == parent:
-            out[int(proc.name)] = cmdline
-    return out
 
 
 def test_inline_answers_as_the_batcher_does(
@@ -90,7 +74,8 @@ def test_inline_answers_as_the_batcher_does(
 
 
 def test_inline_runs_no_batcher_and_pins_each_gateway(inline: Stack) -> None:
-    procs = children(inline.proc.pid)
+    found = children(inline.proc.pid)
+    procs = {pid: " ".join(argv) for pid, (argv, _) in found.items()}
     assert not [c for c in procs.values() if "-m batcher" in c], procs
     gateways = [pid for pid, c in procs.items() if "-m gateway" in c]
     assert len(gateways) == 2
