@@ -133,6 +133,14 @@ class EnginePool:
         self._listeners: list[Callable[[], None]] = []
         self.engines = [EngineClient(a, self._changed) for a in addresses]
         self._rr = itertools.count()
+        self._batch_ids = itertools.count(1)
+
+    def next_batch_id(self) -> int:
+        """An id no other batch of this pool has: every model's batches share
+        each engine's one stream, whose answers are matched to batches by id
+        (ids counted per model collided, and a batch got another model's
+        answer)."""
+        return next(self._batch_ids)
 
     def subscribe(self, listener: Callable[[], None]) -> None:
         self._listeners.append(listener)

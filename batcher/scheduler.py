@@ -118,7 +118,6 @@ class ModelScheduler:
         self._p95: list[tuple[float, int]] = [(0.0, P95_EVERY)] * len(entry.buckets)
         self.waiters: dict[int, Waiter] = {}
         self._ids = itertools.count(1)
-        self._batch_ids = itertools.count(1)
         self._wake = asyncio.Event()
         self._inflight: set[asyncio.Task[None]] = set()
         self._task: asyncio.Task[None] | None = None
@@ -333,7 +332,7 @@ class ModelScheduler:
             )
             trace_context = inject(trace.set_span_in_context(span))
         message = internal_pb2.Batch(
-            id=next(self._batch_ids),
+            id=self.pool.next_batch_id(),
             model=self.name,
             batch_size=batch.size,
             length=length,
@@ -369,7 +368,10 @@ class ModelScheduler:
         try:
             result = await self._execute(engine, message, bucket)
             self.breaker.record_success()
-        except BerthError as exc:
+        except Exception as exc:
+            if not isinstance(exc, BerthError):  # a bug: answered, never dropped
+                log.exception("batch %d of %s failed", message.id, self.name)
+                exc = BerthError(f"batcher failed on a batch of {self.name!r}: {exc}")
             self.breaker.record_failure(str(exc))
             record_error(span, exc)
             for key in keys:

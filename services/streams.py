@@ -92,6 +92,9 @@ class StreamClient(Generic[Out, In, Item]):
         """Send one message carrying several items; a future per item."""
         if self._outbox is None:
             raise Unavailable(f"{self.address} is not connected")
+        taken = [key for key in keys if key in self._pending]
+        if taken:  # its answer would go to the wrong caller: a bug upstream
+            raise RuntimeError(f"{self.address}: ids {taken} already await answers")
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future[Item]] = []
         for key in keys:
@@ -103,7 +106,8 @@ class StreamClient(Generic[Out, In, Item]):
         return futures
 
     def _forget(self, key: int, future: asyncio.Future[Item]) -> None:
-        self._pending.pop(key, None)
+        if self._pending.get(key) is future:
+            del self._pending[key]
 
     def post(self, message: Out) -> None:
         """Send a message that gets no answer (a cancel)."""

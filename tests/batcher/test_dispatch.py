@@ -11,7 +11,9 @@ batcher's own scheduler and engine pool:
 - a hedge goes only to an engine with a free slot (one queued behind a full
   engine's work rarely wins and takes capacity the load needs);
 - a batch its engine does not answer within the batch timeout fails with a
-  clear status, and the engine is ejected.
+  clear status, and the engine is ejected;
+- two models' batches on one engine's stream at once each get their own
+  answer (batch ids are unique across the pool's models).
 """
 
 from __future__ import annotations
@@ -46,11 +48,12 @@ def sequences(model: str, lengths: list[int]) -> internal_pb2.Sequences:
     )
 
 
-def engine(entry: ModelEntry) -> tuple[EngineService, grpc.aio.Server, str]:
-    """An engine service on a loopback port (not started)."""
+def engine(*entries: ModelEntry) -> tuple[EngineService, grpc.aio.Server, str]:
+    """An engine service for these models on a loopback port (not started)."""
     backend = TorchBackend("cpu")
-    backend.load(entry)
-    service = EngineService(backend, {entry.name: entry})
+    for entry in entries:
+        backend.load(entry)
+    service = EngineService(backend, {entry.name: entry for entry in entries})
     service.ready = True  # loaded; warm-up does not matter here
     server = grpc.aio.server()
     internal_pb2_grpc.add_EngineServicer_to_server(service, server)
@@ -218,3 +221,79 @@ def test_a_batch_its_engine_does_not_answer_in_time_fails_clearly(
     assert "did not answer a batch" in answer.message, answer.message
     assert "--batch-timeout-s" in answer.message
     assert failures == 1 and ejected_until > 0
+
+
+def two_models_at_once(
+    tiny: ModelEntry, same_ids: bool = False
+) -> tuple[list[ModelEntry], dict[str, list[internal_pb2.SequenceResult]]]:
+    """Two models (mean and CLS pooling) on one engine behind one pool, a
+    batch of each sent in one loop pass; every caller's answer. same_ids:
+    the pool hands out the same batch id twice."""
+    mean = dataclasses.replace(tiny, name="mean", buckets=BUCKETS)
+    cls = dataclasses.replace(tiny, name="cls", pooling="cls", buckets=BUCKETS)
+
+    async def scenario() -> dict[str, list[internal_pb2.SequenceResult]]:
+        _, server, address = engine(mean, cls)
+        pool = EnginePool([address], slots_per_engine=2)
+        if same_ids:
+            pool.next_batch_id = lambda: 1  # type: ignore[method-assign]
+        config = SchedulerConfig(max_delay_s=0.001, batch_timeout_s=5)
+        schedulers = [ModelScheduler(e, pool, config) for e in (mean, cls)]
+        schedulers[1].start()
+        await serving(schedulers[0], pool, server)
+        answers: dict[str, list[internal_pb2.SequenceResult]] = {"mean": [], "cls": []}
+        for scheduler in schedulers:
+            submitted = sequences(scheduler.name, TWO_LENGTHS)
+            scheduler.submit(submitted, answers[scheduler.name].append)
+        try:
+            while sum(map(len, answers.values())) < 2 * len(TWO_LENGTHS):
+                await asyncio.sleep(0.01)
+        finally:
+            for scheduler in schedulers:
+                await scheduler.drain()
+            await pool.close()
+            await server.stop(None)
+        return answers
+
+    return [mean, cls], asyncio.run(scenario())
+
+
+TWO_LENGTHS = [5, 7]  # one bucket (8): one batch per model
+
+
+def test_two_models_batches_on_one_engine_get_their_own_answers(
+    tiny: ModelEntry,
+) -> None:
+    """Every model's batches share each engine's one stream, whose answers
+    are matched by batch id. Two models' first batches, sent together, each
+    get their own model's output (with ids counted per model both were 1:
+    one caller got the other model's answer, the other none until the batch
+    timeout ejected the engine)."""
+    entries, answers = two_models_at_once(tiny)
+    backend = TorchBackend("cpu")
+    tokens = np.frombuffer(sequences("", TWO_LENGTHS).token_ids, dtype="<i4")
+    for entry in entries:
+        backend.load(entry)
+        got = sorted(answers[entry.name], key=lambda a: a.id)
+        assert all(a.code == 0 for a in got), [a.message for a in got]
+        starts = [0, TWO_LENGTHS[0]]
+        for answer, start, n in zip(got, starts, TWO_LENGTHS, strict=True):
+            ids = tokens[start : start + n][None, :]
+            want = backend.run(entry.name, ids, np.array([n], dtype=np.int32))[0]
+            np.testing.assert_allclose(
+                np.frombuffer(answer.output, dtype="<f4"), want, rtol=1e-4, atol=1e-5
+            )
+
+
+def test_a_batch_id_already_in_flight_fails_its_batch_clearly(
+    tiny: ModelEntry,
+) -> None:
+    """Should two batches ever share an id on one stream, the second is
+    refused (its callers answered INTERNAL, saying why), not given the
+    first's answer or left unanswered."""
+    _, answers = two_models_at_once(tiny, same_ids=True)
+    codes = {name: {a.code for a in got} for name, got in answers.items()}
+    assert sorted(codes.values(), key=min) == [{0}, {grpc.StatusCode.INTERNAL.value[0]}]
+    refused = [a for got in answers.values() for a in got if a.code]
+    assert len(refused) == len(TWO_LENGTHS)
+    assert all("already await answers" in a.message for a in refused), refused
