@@ -53,6 +53,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_flag(parser, "cache-entries", 65536, "response cache entries per model; 0: off")
     add_flag(parser, "cache-mb", 128, "response cache MiB per model; 0: off")
     add_flag(
+        parser,
+        "startup-wait-s",
+        5.0,
+        "for this long after the gateway starts, requests wait for the "
+        "batcher's first connection (with --engines: an engine for every "
+        "model), never past their deadline, instead of getting the CPU "
+        "fallback's answer; once it has connected, a lost batcher falls back "
+        "at once",
+    )
+    add_flag(
         parser, "drain-timeout-s", 30.0, "on SIGTERM, how long in-flight work may take"
     )
     repository_flag(parser)
@@ -139,6 +149,7 @@ async def main(args: argparse.Namespace) -> None:
         Limits(max_texts=args.max_texts),
         max_in_flight=args.max_in_flight,
         cache=ResponseCache(args.cache_entries, args.cache_mb * 2**20),
+        startup_wait_s=args.startup_wait_s,
     )
     server = ServiceServer(
         "gateway",

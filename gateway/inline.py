@@ -48,6 +48,8 @@ class InlineBatcher:
         }
         self._ids = itertools.count(1)
         self.ready = asyncio.Event()
+        self.ever_connected = False
+        self.pool.subscribe(self._engines_changed)
 
     @property
     def connected(self) -> bool:
@@ -55,11 +57,21 @@ class InlineBatcher:
         (and the gateway falls back) instead of the stream being down."""
         return True
 
+    def _engines_changed(self) -> None:
+        """Ready once every model has an engine: until then the gateway is
+        starting up, and its requests wait for the engines (within its
+        start-up bound) instead of being refused and answered degraded."""
+        if not self.ready.is_set() and all(
+            self.pool.serving(name) for name in self.schedulers
+        ):
+            log.info("every model has an engine: batching inline")
+            self.ever_connected = True
+            self.ready.set()
+
     def start(self) -> None:
         self.pool.start()
         for scheduler in self.schedulers.values():
             scheduler.start()
-        self.ready.set()
         log.info(
             "batching inline for %s; engines %s",
             ", ".join(self.schedulers),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -40,6 +41,9 @@ DEGRADED_METADATA = (("x-berth-degraded", "true"),)
 # (tens of microseconds); longer ones on the tokenizer threads, so one
 # large call cannot stall every other request.
 INLINE_TOKENIZE_CHARS = 2048
+# A request waiting for the batcher at start-up stops this long before its
+# deadline, so the fallback can still answer it in time.
+FALLBACK_RESERVE_S = 0.2
 
 Response = TypeVar("Response", berth_pb2.EmbedResponse, berth_pb2.ClassifyResponse)
 
@@ -145,9 +149,14 @@ class Gateway:
         limits: Limits,
         max_in_flight: int,
         cache: ResponseCache | None = None,
+        startup_wait_s: float = 0.0,
     ) -> None:
         self.models = {name: Model(e, limits) for name, e in entries.items()}
         self.batcher = batcher
+        # Until the batcher first connects, and at most until this moment,
+        # requests wait for it (see _await_first_connection).
+        self.startup_until = time.monotonic() + startup_wait_s
+        self._told_waiting = False
         # Disabled unless given one (gateway flags --cache-entries, --cache-mb).
         self.cache = cache or ResponseCache(0, 0)
         self.admission = Admission(max_in_flight)
@@ -245,9 +254,14 @@ class Gateway:
 
         Level 3: the fallback answers while the model's circuit is open, while
         the batcher is unreachable, and for a call whose batch failed on the
-        engines (so no request is lost to a failing fleet).
+        engines (so no request is lost to a failing fleet); but not while the
+        gateway is starting up and has yet to reach its batcher.
         """
         name = model.entry.name
+        if not self.batcher.ever_connected:
+            waited = await self._await_first_connection(timeout_s)
+            if timeout_s is not None:
+                timeout_s -= waited
         if name in self.open_circuits:
             reason = "circuit_open"
         elif not self.batcher.connected:
@@ -277,6 +291,36 @@ class Gateway:
             outputs = model.fallback.run(ids)
         metrics.FALLBACKS.labels(name, reason).inc(len(ids))
         return list(outputs), True
+
+    async def _await_first_connection(self, timeout_s: float | None) -> float:
+        """Wait for the batcher's first connection; the seconds waited.
+
+        A gateway that has just started shares its port (SO_REUSEPORT) with
+        gateways already serving, so the kernel hands it callers while it is
+        still connecting to its batcher (or, batching inline, its engines):
+        answering them from the fallback would degrade answers the engines
+        are about to give. The wait ends at the first connection, at the end
+        of the start-up window (--startup-wait-s from start) or just before
+        the caller's deadline, whichever comes first; then the request goes
+        on as any other (to the fallback if still unconnected).
+        """
+        bound = self.startup_until - time.monotonic()
+        if timeout_s is not None:
+            bound = min(bound, timeout_s - FALLBACK_RESERVE_S)
+        if bound <= 0:
+            return 0.0
+        if not self._told_waiting:
+            self._told_waiting = True
+            log.info(
+                "start-up: requests are waiting for the batcher (batching "
+                "inline: the engines) to connect, at most %.1f s more "
+                "(--startup-wait-s)",
+                self.startup_until - time.monotonic(),
+            )
+        t0 = time.monotonic()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.batcher.ready.wait(), bound)
+        return time.monotonic() - t0
 
     async def counted(
         self, api: str, model: str, work: Awaitable[Response]

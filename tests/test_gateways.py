@@ -1,10 +1,14 @@
 """Gateway and batcher processes: several gateways share one port, each
-streams to one of several batchers; a caller's cancel reaches the batcher."""
+streams to one of several batchers; a caller's cancel reaches the batcher; a
+gateway that is starting up waits for its batcher instead of degrading."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -13,7 +17,7 @@ import grpc
 import pytest
 
 from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
-from tests.stack import Stack, pid_listening
+from tests.stack import ROOT, Stack, free_ports, health, pid_listening
 from tests.test_observability import scrape, value
 
 CONNECTIONS = 16
@@ -134,3 +138,141 @@ def test_a_cancelled_call_leaves_the_batcher_queue(repository: Path) -> None:
         )
     finally:
         stack.stop()
+
+
+class Service:
+    """One `python -m <module>` process on a free port of its own, for
+    tests that start a stack's pieces by hand."""
+
+    def __init__(self, module: str, repository: Path, *flags: str) -> None:
+        (port,) = free_ports(1)
+        self.address = f"127.0.0.1:{port}"
+        self.log_path = Path(os.environ.get("BERTH_TEST_LOGS", "/tmp")) / (
+            f"berth-{module}-{port}.log"
+        )
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    module,
+                    "--port",
+                    str(port),
+                    "--metrics-port",
+                    "0",
+                    "--model-repository",
+                    str(repository),
+                    *flags,
+                ],
+                cwd=ROOT,
+                env={**os.environ, "BERTH_LOG_LEVEL": "INFO"},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+
+    def wait_for(self, *states: str, timeout: float = 120.0) -> None:
+        """Until its health is one of ``states`` (NOT_SERVING: listening)."""
+        deadline = time.monotonic() + timeout
+        while health(self.address) not in states:
+            assert self.proc.poll() is None, self.logs()
+            assert time.monotonic() < deadline, self.logs()
+            time.sleep(0.05)
+
+    def logs(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
+
+
+@contextlib.contextmanager
+def service(module: str, repository: Path, *flags: str) -> Iterator[Service]:
+    process = Service(module, repository, *flags)
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+EMBED = berth_pb2.EmbedRequest(model="minilm", texts=["is the batcher up yet?"])
+WAITING = "requests are waiting for the batcher"
+
+
+@pytest.mark.parametrize("mode", ["batcher", "inline"])
+def test_a_starting_gateway_waits_for_its_batcher(
+    two_gateways: Stack, repository: Path, mode: str
+) -> None:
+    """A gateway not yet connected to its batcher (inline: to its engine)
+    holds a call until it connects, then answers it from the engines: the
+    batcher (engine) is SIGSTOPped while the gateway starts and resumed
+    after the call has waited 2 s."""
+    engine = two_gateways.engines[0]
+    with contextlib.ExitStack() as processes:
+        if mode == "batcher":
+            # A batcher of its own, connected to the stack's engine.
+            batcher = processes.enter_context(
+                service("batcher", repository, "--engines", engine)
+            )
+            batcher.wait_for("SERVING")
+            address, module, flag = batcher.address, "batcher", "--batcher"
+        else:
+            address, module, flag = engine, "engine", "--engines"
+        peer = pid_listening(module, int(address.rsplit(":", 1)[1]))
+        os.kill(peer, signal.SIGSTOP)
+        try:
+            flags = (flag, address, "--startup-wait-s", "60")
+            gateway = processes.enter_context(service("gateway", repository, *flags))
+            gateway.wait_for("NOT_SERVING")
+            channel = processes.enter_context(grpc.insecure_channel(gateway.address))
+            call = berth_pb2_grpc.BerthStub(channel).Embed.future(EMBED, timeout=90)
+            time.sleep(2)
+            # (Without the start-up wait: answered at once, from the fallback.)
+            assert not call.done(), call.result()
+        finally:
+            os.kill(peer, signal.SIGCONT)
+        reply = call.result(timeout=90)
+        assert not reply.degraded
+        assert ("x-berth-degraded", "true") not in call.trailing_metadata()
+        assert len(reply.embeddings[0].values) == 384
+        assert gateway.logs().count(WAITING) == 1, gateway.logs()
+
+
+STARTUP_WAIT_S = 5.0
+
+
+def test_with_no_batcher_the_fallback_answers_once_the_startup_bound_is_over(
+    repository: Path,
+) -> None:
+    """Nothing listens at --batcher: a call waits, but never past its own
+    deadline nor past --startup-wait-s after the gateway started; then the
+    fallback answers (degraded), and from then on at once."""
+    (nowhere,) = free_ports(1)
+    flags = ("--batcher", f"127.0.0.1:{nowhere}")
+    wait = ("--startup-wait-s", str(STARTUP_WAIT_S))
+    with service("gateway", repository, *flags, *wait) as gateway:
+        gateway.wait_for("NOT_SERVING")
+        listening = time.monotonic()  # (its start-up window began just before)
+        with grpc.insecure_channel(gateway.address) as channel:
+            stub = berth_pb2_grpc.BerthStub(channel)
+
+            def embed(timeout: float) -> float:
+                """Seconds an Embed took; its answer must be degraded."""
+                t0 = time.monotonic()
+                reply, call = stub.Embed.with_call(EMBED, timeout=timeout)
+                took = time.monotonic() - t0
+                assert reply.degraded
+                assert ("x-berth-degraded", "true") in call.trailing_metadata()
+                assert len(reply.embeddings[0].values) == 384
+                return took
+
+            # A deadline inside the window: it waits, but is answered in time
+            # (a DEADLINE_EXCEEDED would raise here).
+            assert embed(timeout=2.0) >= 1.5
+            # A longer deadline: it waits out the rest of the window, not more.
+            assert embed(timeout=60) >= 1.5
+            assert time.monotonic() - listening < STARTUP_WAIT_S + 2
+            # The start-up is over: the fallback answers at once, as it does
+            # for a batcher lost after it had connected.
+            assert embed(timeout=60) < 1.0
+    assert gateway.logs().count(WAITING) == 1, gateway.logs()
