@@ -57,8 +57,16 @@ class Caller:
     """One Run stream, as the device loop sees it."""
 
     answers: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+    queued: set[int] = field(default_factory=set)  # batch ids not yet started
+    # Of those, the ones the batcher cancelled. A cancel that comes too late
+    # (a hedge's loser, a batch past its timeout) is not kept: a stream lives
+    # for days, and such ids would pile up.
     cancelled: set[int] = field(default_factory=set)
     closed: bool = False  # the stream is gone: drop its answers
+
+    def cancel(self, batch_id: int) -> None:
+        if batch_id in self.queued:
+            self.cancelled.add(batch_id)
 
     def answer(self, result: internal_pb2.BatchResult) -> None:
         if not self.closed:
@@ -85,6 +93,7 @@ class EngineService(internal_pb2_grpc.EngineServicer):
         self.ready = False  # set once every model is loaded and warmed up
         self.failing = False  # chaos: fail every batch (toggled by SIGUSR1)
         self.gpu = open_gpu_stats(backend.device)  # NVML reader; None on the CPU
+        self.callers: set[Caller] = set()  # the open Run streams
         # One loop feeds the device from every stream (started by the first).
         self._work: asyncio.Queue[Work] | None = None
         self._device: asyncio.Task[None] | None = None
@@ -122,14 +131,16 @@ class EngineService(internal_pb2_grpc.EngineServicer):
                 async for request in request_iterator:
                     if request.HasField("batch"):
                         sent += 1
+                        caller.queued.add(request.batch.id)
                         work.put_nowait((request.batch, caller))
                     else:
-                        caller.cancelled.add(request.cancel.id)
+                        caller.cancel(request.cancel.id)
             finally:
                 caller.answers.put_nowait(END)
 
         reader = asyncio.create_task(read())
         ended = False
+        self.callers.add(caller)
         try:
             while not ended or sent:
                 answer = await caller.answers.get()
@@ -141,6 +152,7 @@ class EngineService(internal_pb2_grpc.EngineServicer):
                     yield answer
         finally:
             caller.closed = True  # what it still has queued is dropped
+            self.callers.discard(caller)
             reader.cancel()
 
     def _device_queue(self) -> asyncio.Queue[Work]:
@@ -160,6 +172,7 @@ class EngineService(internal_pb2_grpc.EngineServicer):
         assert self._work is not None
         while wait or not self._work.empty():
             batch, caller = await self._work.get()  # at once when not empty
+            caller.queued.discard(batch.id)
             if caller.closed:
                 continue
             if batch.id in caller.cancelled:  # dropped before compute

@@ -147,3 +147,31 @@ def test_cancelled_batches_do_not_hold_the_stream_open(service: Any) -> None:
     got = asyncio.run(serve(service, work))
     assert {700, 701, 702} <= set(got) <= {700, 701, 702, 703, 704}
     assert all(result.code == 0 for result in got.values())
+
+
+def test_late_cancels_are_not_kept(service: Any) -> None:
+    """A cancel for a batch already answered (a hedge's loser, a batch past
+    its timeout) or never sent is dropped, not remembered for the life of
+    the stream (days: such ids would pile up)."""
+    import grpc
+
+    async def work(stub: Any) -> tuple[list[Any], int, int]:
+        call = stub.Run()
+        await call.write(internal_pb2.EngineRequest(batch=batch(800, 2, 80)))
+        answers = [await call.read()]
+        for batch_id in (800, 801, 802):  # answered, never sent, never sent
+            cancel = internal_pb2.CancelBatch(id=batch_id)
+            await call.write(internal_pb2.EngineRequest(cancel=cancel))
+        # Read in order: once 803 is answered the cancels have been read.
+        await call.write(internal_pb2.EngineRequest(batch=batch(803, 2, 83)))
+        answers.append(await call.read())
+        held = sum(len(c.cancelled) + len(c.queued) for c in service.callers)
+        await call.done_writing()
+        assert await call.read() == grpc.aio.EOF
+        assert await call.code() == grpc.StatusCode.OK  # the stream has ended
+        return answers, held, len(service.callers)
+
+    answers, held, streams_left = asyncio.run(serve(service, work))
+    assert [(a.id, a.code) for a in answers] == [(800, 0), (803, 0)]
+    assert held == 0
+    assert streams_left == 0
