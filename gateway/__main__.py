@@ -55,12 +55,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_flag(
         parser,
         "startup-wait-s",
-        5.0,
-        "for this long after the gateway starts, requests wait for the "
-        "batcher's first connection (with --engines: an engine for every "
-        "model), never past their deadline, instead of getting the CPU "
-        "fallback's answer; once it has connected, a lost batcher falls back "
-        "at once",
+        30.0,
+        "until the gateway first serves, and for at most this long after it "
+        "starts, a request the engines cannot answer yet (batcher not "
+        "connected, engines loading) waits for them, never past its deadline, "
+        "instead of getting the CPU fallback's answer; once the gateway has "
+        "served, a failing fleet falls back at once",
     )
     add_flag(
         parser, "drain-timeout-s", 30.0, "on SIGTERM, how long in-flight work may take"
@@ -103,6 +103,7 @@ async def watch_health(server: ServiceServer, gateway: Gateway) -> None:
                 log.info("waiting for models to answer: %s", exc)
                 last = str(exc)
             await asyncio.sleep(0.2)
+    gateway.started = True  # from now on a failing fleet falls back at once
     await server.set_serving(True)
     log.info("gateway SERVING on %s: every model answers", server.address)
     serving = True

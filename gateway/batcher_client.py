@@ -74,8 +74,6 @@ class Batching(Protocol):
     # Set once requests can reach the engines (BatcherClient: while its
     # stream is up; InlineBatcher: once every model has an engine).
     ready: asyncio.Event
-    # Whether ``ready`` was ever set: until then the gateway is starting up.
-    ever_connected: bool
 
     @property
     def connected(self) -> bool: ...
@@ -109,7 +107,6 @@ class BatcherClient(
         self._stub = internal_pb2_grpc.BatcherStub(self.channel)
         self._ids = itertools.count(1)
         self.ready = asyncio.Event()
-        self.ever_connected = False
 
     async def run(
         self,
@@ -174,7 +171,6 @@ class BatcherClient(
     def _connection_changed(self, connected: bool, reason: str) -> None:
         if connected:
             log.info("connected to batcher %s", self.address)
-            self.ever_connected = True
             self.ready.set()
         else:
             log.warning("lost batcher %s: %s", self.address, reason)

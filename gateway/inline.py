@@ -48,7 +48,6 @@ class InlineBatcher:
         }
         self._ids = itertools.count(1)
         self.ready = asyncio.Event()
-        self.ever_connected = False
         self.pool.subscribe(self._engines_changed)
 
     @property
@@ -58,14 +57,12 @@ class InlineBatcher:
         return True
 
     def _engines_changed(self) -> None:
-        """Ready once every model has an engine: until then the gateway is
-        starting up, and its requests wait for the engines (within its
-        start-up bound) instead of being refused and answered degraded."""
+        """Ready once every model has an engine (the gateway's start-up probe
+        waits for it)."""
         if not self.ready.is_set() and all(
             self.pool.serving(name) for name in self.schedulers
         ):
             log.info("every model has an engine: batching inline")
-            self.ever_connected = True
             self.ready.set()
 
     def start(self) -> None:

@@ -41,9 +41,11 @@ DEGRADED_METADATA = (("x-berth-degraded", "true"),)
 # (tens of microseconds); longer ones on the tokenizer threads, so one
 # large call cannot stall every other request.
 INLINE_TOKENIZE_CHARS = 2048
-# A request waiting for the batcher at start-up stops this long before its
-# deadline, so the fallback can still answer it in time.
+# A request waiting for the engines at start-up stops this long before its
+# deadline, so the fallback can still answer it in time; it tries again
+# every STARTUP_RETRY_S while the batcher has no engine for it.
 FALLBACK_RESERVE_S = 0.2
+STARTUP_RETRY_S = 0.05
 
 Response = TypeVar("Response", berth_pb2.EmbedResponse, berth_pb2.ClassifyResponse)
 
@@ -153,8 +155,10 @@ class Gateway:
     ) -> None:
         self.models = {name: Model(e, limits) for name, e in entries.items()}
         self.batcher = batcher
-        # Until the batcher first connects, and at most until this moment,
-        # requests wait for it (see _await_first_connection).
+        # Until the gateway first is SERVING (every model answered from the
+        # engines: gateway/__main__.py sets started), and at most until this
+        # moment, requests wait for the engines (_hold_while_starting).
+        self.started = False
         self.startup_until = time.monotonic() + startup_wait_s
         self._told_waiting = False
         # Disabled unless given one (gateway flags --cache-entries, --cache-mb).
@@ -255,32 +259,36 @@ class Gateway:
         Level 3: the fallback answers while the model's circuit is open, while
         the batcher is unreachable, and for a call whose batch failed on the
         engines (so no request is lost to a failing fleet); but not while the
-        gateway is starting up and has yet to reach its batcher.
+        gateway is starting up (``_hold_while_starting``).
         """
         name = model.entry.name
-        if not self.batcher.ever_connected:
-            waited = await self._await_first_connection(timeout_s)
+        error: BerthError | None = None
+        while True:
+            if name in self.open_circuits:
+                reason = "circuit_open"
+            elif not self.batcher.connected:
+                reason = "batcher_unreachable"
+            else:
+                ms = max(1, int(timeout_s * 1000)) if timeout_s is not None else 0
+                try:
+                    with span_if_recording(TRACER, "gateway.infer"):
+                        results = await self.batcher.run(name, ids, ms, inject())
+                except (Unavailable, EngineFailure) as exc:
+                    reason, error = "engine_failure", exc
+                    log.debug("engines cannot answer %s: %s", name, exc)
+                else:
+                    timings.queue_us = max(r.queue_us for r in results)
+                    timings.inference_us = max(r.inference_us for r in results)
+                    outputs = [np.frombuffer(r.output, dtype="<f4") for r in results]
+                    return outputs, False
+            waited = await self._hold_while_starting(timeout_s)
+            if waited is None:
+                break
             if timeout_s is not None:
                 timeout_s -= waited
-        if name in self.open_circuits:
-            reason = "circuit_open"
-        elif not self.batcher.connected:
-            reason = "batcher_unreachable"
-        else:
-            timeout_ms = max(1, int(timeout_s * 1000)) if timeout_s is not None else 0
-            try:
-                with span_if_recording(TRACER, "gateway.infer"):
-                    results = await self.batcher.run(name, ids, timeout_ms, inject())
-            except (Unavailable, EngineFailure) as exc:
-                if model.fallback is None:
-                    raise
-                reason = "engine_failure"
-                log.debug("falling back for %s: %s", name, exc)
-            else:
-                timings.queue_us = max(r.queue_us for r in results)
-                timings.inference_us = max(r.inference_us for r in results)
-                return [np.frombuffer(r.output, dtype="<f4") for r in results], False
         if model.fallback is None:
+            if error is not None:
+                raise error
             raise Unavailable(
                 f"model {name!r} cannot answer now ({reason.replace('_', ' ')}) and "
                 "has no CPU fallback (build it with `berth build-models`)"
@@ -288,38 +296,44 @@ class Gateway:
         with span_if_recording(
             TRACER, "gateway.fallback", attributes={"berth.reason": reason}
         ):
-            outputs = model.fallback.run(ids)
+            fallback = model.fallback.run(ids)
         metrics.FALLBACKS.labels(name, reason).inc(len(ids))
-        return list(outputs), True
+        return list(fallback), True
 
-    async def _await_first_connection(self, timeout_s: float | None) -> float:
-        """Wait for the batcher's first connection; the seconds waited.
+    async def _hold_while_starting(self, timeout_s: float | None) -> float | None:
+        """Before the gateway has first been SERVING, how long a request the
+        engines cannot answer yet waited for them (then it tries again); None
+        when it should not wait: the gateway has served, its start-up window
+        (--startup-wait-s from start) is over, or the caller's deadline is
+        near (FALLBACK_RESERVE_S before it, so the fallback still answers).
 
-        A gateway that has just started shares its port (SO_REUSEPORT) with
-        gateways already serving, so the kernel hands it callers while it is
-        still connecting to its batcher (or, batching inline, its engines):
-        answering them from the fallback would degrade answers the engines
-        are about to give. The wait ends at the first connection, at the end
-        of the start-up window (--startup-wait-s from start) or just before
-        the caller's deadline, whichever comes first; then the request goes
-        on as any other (to the fallback if still unconnected).
-        """
+        While a stack starts, its gateways listen before the batcher has
+        connected and before the engines have loaded (a GPU engine captures
+        its graphs for seconds), and a gateway started next to serving ones
+        gets callers on the shared port (SO_REUSEPORT) at once: answering
+        them from the fallback would degrade answers the engines are about
+        to give. Once the gateway has served, a failing fleet falls back at
+        once."""
+        if self.started:
+            return None
         bound = self.startup_until - time.monotonic()
         if timeout_s is not None:
             bound = min(bound, timeout_s - FALLBACK_RESERVE_S)
         if bound <= 0:
-            return 0.0
+            return None
         if not self._told_waiting:
             self._told_waiting = True
             log.info(
-                "start-up: requests are waiting for the batcher (batching "
-                "inline: the engines) to connect, at most %.1f s more "
-                "(--startup-wait-s)",
+                "start-up: requests wait for the engines, at most %.1f s more "
+                "(--startup-wait-s), instead of the CPU fallback",
                 self.startup_until - time.monotonic(),
             )
         t0 = time.monotonic()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.batcher.ready.wait(), bound)
+        if not self.batcher.connected and not self.batcher.ready.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.batcher.ready.wait(), bound)
+        else:  # connected, no engine yet: the batcher refuses at once
+            await asyncio.sleep(min(STARTUP_RETRY_S, bound))
         return time.monotonic() - t0
 
     async def counted(

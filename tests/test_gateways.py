@@ -1,6 +1,7 @@
 """Gateway and batcher processes: several gateways share one port, each
 streams to one of several batchers; a caller's cancel reaches the batcher; a
-gateway that is starting up waits for its batcher instead of degrading."""
+gateway that is starting up waits for its batcher and engines instead of
+answering from the fallback."""
 
 from __future__ import annotations
 
@@ -144,8 +145,10 @@ class Service:
     """One `python -m <module>` process on a free port of its own, for
     tests that start a stack's pieces by hand."""
 
-    def __init__(self, module: str, repository: Path, *flags: str) -> None:
-        (port,) = free_ports(1)
+    def __init__(
+        self, module: str, repository: Path, *flags: str, port: int = 0
+    ) -> None:
+        port = port or free_ports(1)[0]
         self.address = f"127.0.0.1:{port}"
         self.log_path = Path(os.environ.get("BERTH_TEST_LOGS", "/tmp")) / (
             f"berth-{module}-{port}.log"
@@ -187,8 +190,10 @@ class Service:
 
 
 @contextlib.contextmanager
-def service(module: str, repository: Path, *flags: str) -> Iterator[Service]:
-    process = Service(module, repository, *flags)
+def service(
+    module: str, repository: Path, *flags: str, port: int = 0
+) -> Iterator[Service]:
+    process = Service(module, repository, *flags, port=port)
     try:
         yield process
     finally:
@@ -196,7 +201,7 @@ def service(module: str, repository: Path, *flags: str) -> Iterator[Service]:
 
 
 EMBED = berth_pb2.EmbedRequest(model="minilm", texts=["is the batcher up yet?"])
-WAITING = "requests are waiting for the batcher"
+WAITING = "start-up: requests wait for the engines"
 
 
 @pytest.mark.parametrize("mode", ["batcher", "inline"])
@@ -235,6 +240,35 @@ def test_a_starting_gateway_waits_for_its_batcher(
         assert not reply.degraded
         assert ("x-berth-degraded", "true") not in call.trailing_metadata()
         assert len(reply.embeddings[0].values) == 384
+        assert gateway.logs().count(WAITING) == 1, gateway.logs()
+
+
+def test_a_gateway_started_before_its_engines_waits_for_them(
+    repository: Path,
+) -> None:
+    """A cold start: gateway and batcher are up, the engine has not even
+    started (a GPU engine loads and captures its graphs for seconds). A call
+    waits for it and is answered by it, not by the fallback."""
+    (port,) = free_ports(1)
+    with contextlib.ExitStack() as processes:
+        batcher = processes.enter_context(
+            service("batcher", repository, "--engines", f"127.0.0.1:{port}")
+        )
+        batcher.wait_for("NOT_SERVING", "SERVING")
+        flags = ("--batcher", batcher.address, "--startup-wait-s", "120")
+        gateway = processes.enter_context(service("gateway", repository, *flags))
+        gateway.wait_for("NOT_SERVING")
+        channel = processes.enter_context(grpc.insecure_channel(gateway.address))
+        call = berth_pb2_grpc.BerthStub(channel).Embed.future(EMBED, timeout=120)
+        time.sleep(1)
+        # (Without the start-up wait: answered at once, from the fallback.)
+        assert not call.done(), call.result()
+        processes.enter_context(service("engine", repository, port=port))
+        reply = call.result(timeout=120)
+        assert not reply.degraded
+        assert ("x-berth-degraded", "true") not in call.trailing_metadata()
+        assert len(reply.embeddings[0].values) == 384
+        gateway.wait_for("SERVING")
         assert gateway.logs().count(WAITING) == 1, gateway.logs()
 
 
