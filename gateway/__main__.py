@@ -65,6 +65,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_flag(
         parser, "drain-timeout-s", 30.0, "on SIGTERM, how long in-flight work may take"
     )
+    add_flag(
+        parser,
+        "lame-duck-s",
+        0.5,
+        "on SIGTERM, how long to keep taking calls after turning NOT_SERVING: "
+        "calls gRPC already received but had not handed over yet are "
+        "answered, not CANCELLED, and health-checking clients move away",
+    )
     repository_flag(parser)
     add_scheduler_flags(parser)  # used when batching inline (--engines)
     return parser.parse_args(argv)
@@ -176,7 +184,9 @@ async def main(args: argparse.Namespace) -> None:
     async def drain() -> None:
         health.cancel()
 
-    await server.run_until_signalled(drain, grace_s=args.drain_timeout_s)
+    await server.run_until_signalled(
+        drain, grace_s=args.drain_timeout_s, lame_duck_s=args.lame_duck_s
+    )
     await batcher.close()
     shutdown_tracing()
 

@@ -1,7 +1,8 @@
 """Asyncio gRPC server bootstrap shared by gateway, batcher and engine.
 
 Every service gets the stock ``grpc.health.v1`` servicer, server reflection,
-and a SIGTERM/SIGINT drain: report NOT_SERVING, let the service finish what
+and a SIGTERM/SIGINT drain: report NOT_SERVING, keep serving for a lame-duck
+period (a front door: see run_until_signalled), let the service finish what
 it holds, then stop the server with a grace period for in-flight calls.
 """
 
@@ -85,14 +86,27 @@ class ServiceServer:
         self,
         drain: Callable[[], Awaitable[None]] | None = None,
         grace_s: float = 10.0,
+        lame_duck_s: float = 0.0,
     ) -> None:
-        """Serve until SIGTERM/SIGINT (or request_stop), then drain and stop."""
+        """Serve until SIGTERM/SIGINT (or request_stop), then drain and stop.
+
+        For ``lame_duck_s`` after turning NOT_SERVING the server still takes
+        and answers calls. grpc.aio picks up the calls gRPC core has received
+        one at a time, an event-loop turn each; ``server.stop`` answers every
+        call still queued in core CANCELLED, grace period or not
+        (grpc/grpc#41785). A burst that reached a busy process just before
+        the signal was lost that way (tests/chaos/test_drain_queue.py); the
+        lame duck lets the loop take the queue in, and clients that watch
+        health move away. Internal hops whose callers stop first need none.
+        """
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
         await self._stop.wait()
         log.info("%s draining: NOT_SERVING, finishing in-flight work", self.name)
         await self.health.enter_graceful_shutdown()
+        if lame_duck_s > 0:
+            await asyncio.sleep(lame_duck_s)
         if drain is not None:
             try:
                 await asyncio.wait_for(drain(), grace_s)
