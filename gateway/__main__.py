@@ -26,7 +26,7 @@ from services.loop import run
 from services.metrics import serve_metrics
 from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
 from services.repository import load_repository
-from services.server import ServiceServer
+from services.server import LAME_DUCK_S, ServiceServer
 from services.telemetry import setup_tracing, shutdown_tracing
 
 log = logging.getLogger("berth.gateway")
@@ -68,7 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_flag(
         parser,
         "lame-duck-s",
-        0.5,
+        LAME_DUCK_S,
         "on SIGTERM, how long to keep taking calls after turning NOT_SERVING: "
         "calls gRPC already received but had not handed over yet are "
         "answered, not CANCELLED, and health-checking clients move away",

@@ -20,6 +20,10 @@ from grpc_reflection.v1alpha import reflection
 
 from services.channels import SERVER_OPTIONS
 
+# A front door's lame duck after turning NOT_SERVING (the gateway's
+# --lame-duck-s; see ServiceServer.run_until_signalled).
+LAME_DUCK_S = 0.5
+
 log = logging.getLogger("berth.server")
 
 OVERALL = ""  # the health service name that stands for the whole server

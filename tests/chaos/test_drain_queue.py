@@ -17,15 +17,13 @@ import time
 
 import grpc
 
-from gateway.__main__ import parse_args
-from services.server import ServiceServer
+from services.server import LAME_DUCK_S, ServiceServer
 
 SERVICE = "berth.test.Slow"
 CALLS = 16
 
 
 def test_drain_finishes_calls_queued_in_grpc() -> None:
-    lame_duck_s = parse_args([]).lame_duck_s  # the gateway's default
     outcomes: list[str] = []
     address: list[str] = []
     connected = threading.Event()
@@ -70,7 +68,7 @@ def test_drain_finishes_calls_queued_in_grpc() -> None:
         busy.set()
         time.sleep(0.5)
         server.request_stop()
-        await server.run_until_signalled(grace_s=10, lame_duck_s=lame_duck_s)
+        await server.run_until_signalled(grace_s=10, lame_duck_s=LAME_DUCK_S)
         await asyncio.to_thread(thread.join, 30)
 
     asyncio.run(main())
