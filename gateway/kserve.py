@@ -18,6 +18,7 @@ options. Requests share the gateway's admission bound and response cache.
 
 from __future__ import annotations
 
+import logging
 import struct
 import time
 from collections.abc import AsyncIterator
@@ -32,7 +33,9 @@ from services.errors import BerthError, InvalidInput, UnknownModel, abort
 from services.proto.berth.v1 import berth_pb2
 from services.proto.inference import grpc_service_pb2 as pb
 from services.proto.inference import grpc_service_pb2_grpc as pb_grpc
-from services.streams import answer_concurrently
+from services.streams import answer_in_order
+
+log = logging.getLogger("berth.gateway")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 VERSION = "1"  # every berth model has exactly one version
@@ -147,8 +150,9 @@ def parse_call(
         elif name == "timeout":  # tritonclient's, in microseconds
             if value.WhichOneof("parameter_choice") != "int64_param":
                 raise InvalidInput("parameter 'timeout' must be int64 microseconds")
-            limit_s = value.int64_param / 1e6
-            timeout_s = limit_s if timeout_s is None else min(timeout_s, limit_s)
+            if value.int64_param > 0:  # 0 is Triton's "no timeout"
+                limit_s = value.int64_param / 1e6
+                timeout_s = limit_s if timeout_s is None else min(timeout_s, limit_s)
         elif name not in IGNORED_PARAMETERS:
             known = "truncate" + (", normalize" if model.entry.task == "embed" else "")
             raise InvalidInput(
@@ -481,14 +485,21 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
             try:
                 response = await self.kserve.infer(request, context.time_remaining())
                 return pb.ModelStreamInferResponse(infer_response=response)
-            except BerthError as exc:
+            except Exception as exc:
                 # The stream stays open; the id lets the caller match the error.
+                # Any failure is answered: a request left unanswered would
+                # keep its caller waiting for good.
+                if isinstance(exc, BerthError):
+                    message = f"{exc.code.name}: {exc}"
+                else:
+                    log.exception("ModelStreamInfer request %r failed", request.id)
+                    message = f"INTERNAL: unexpected {type(exc).__name__}: {exc}"
                 failed = pb.ModelInferResponse(
                     model_name=request.model_name, id=request.id
                 )
                 return pb.ModelStreamInferResponse(
-                    error_message=f"{exc.code.name}: {exc}", infer_response=failed
+                    error_message=message, infer_response=failed
                 )
 
-        async for response in answer_concurrently(request_iterator, answer):
+        async for response in answer_in_order(request_iterator, answer):
             yield response

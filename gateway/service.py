@@ -46,6 +46,9 @@ INLINE_TOKENIZE_CHARS = 2048
 # every STARTUP_RETRY_S while the batcher has no engine for it.
 FALLBACK_RESERVE_S = 0.2
 STARTUP_RETRY_S = 0.05
+# The internal hops carry a deadline as uint32 milliseconds (~50 days); a
+# caller's longer one is as good as none and goes out as this.
+MAX_TIMEOUT_MS = 2**32 - 1
 
 Response = TypeVar("Response", berth_pb2.EmbedResponse, berth_pb2.ClassifyResponse)
 
@@ -269,7 +272,11 @@ class Gateway:
             elif not self.batcher.connected:
                 reason = "batcher_unreachable"
             else:
-                ms = max(1, int(timeout_s * 1000)) if timeout_s is not None else 0
+                ms = (
+                    min(max(1, int(timeout_s * 1000)), MAX_TIMEOUT_MS)
+                    if timeout_s is not None
+                    else 0
+                )
                 try:
                     with span_if_recording(TRACER, "gateway.infer"):
                         results = await self.batcher.run(name, ids, ms, inject())
@@ -531,7 +538,10 @@ class BerthService(berth_pb2_grpc.BerthServicer):
                     )
                     return berth_pb2.StreamResponse(classify=c)
                 raise InvalidInput("StreamRequest holds neither embed nor classify")
-            except BerthError as exc:  # the stream stays open
+            except Exception as exc:  # answered, and the stream stays open
+                if not isinstance(exc, BerthError):  # a bug: never left unanswered
+                    log.exception("Stream request %r failed", inner.request_id)
+                    exc = BerthError(f"unexpected {type(exc).__name__}: {exc}")
                 return berth_pb2.StreamResponse(
                     error=berth_pb2.StreamError(
                         request_id=inner.request_id,

@@ -202,3 +202,35 @@ async def answer_concurrently(
         reader.cancel()
         for task in tasks:
             task.cancel()
+
+
+async def answer_in_order(
+    requests: AsyncIterator[Request],
+    answer: Callable[[Request], Awaitable[Response]],
+) -> AsyncIterator[Response]:
+    """Serve a bidi stream as Triton serves a non-decoupled model's: each
+    request runs as its own task at once, and the answers go out in request
+    order (a caller may match them by position, without ids). The stream
+    ends once the caller has closed its side and every answer is out.
+    ``answer`` must not raise, as for :func:`answer_concurrently`."""
+    started: asyncio.Queue[asyncio.Future[Response] | None] = asyncio.Queue()
+    tasks: set[asyncio.Future[Response]] = set()
+
+    async def read() -> None:
+        try:
+            async for request in requests:
+                task = asyncio.ensure_future(answer(request))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                started.put_nowait(task)
+        finally:
+            started.put_nowait(None)
+
+    reader = asyncio.create_task(read())
+    try:
+        while (task := await started.get()) is not None:
+            yield await task
+    finally:
+        reader.cancel()
+        for task in list(tasks):
+            task.cancel()

@@ -8,6 +8,8 @@ protobuf names, and one process can hold only one of them.
 from __future__ import annotations
 
 import queue
+import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -202,6 +204,68 @@ def test_stream_answers_each_request(tc: triton.InferenceServerClient) -> None:
     assert results["0"].as_numpy("EMBEDDING").shape == (1, 384)
     assert results["1"].as_numpy("LABEL").tolist() == [b"alarm"]
     assert len(errors) == 1 and "texts[0] is empty" in errors[0].message()
+
+
+def busy_texts(n: int = 32) -> list[str]:
+    """Texts no other call sent, long enough to keep the engine busy a while."""
+    tag = uuid.uuid4().hex
+    return [f"{tag} {i} " + "busy words " * 60 for i in range(n)]
+
+
+def test_stream_answers_in_request_order(tc: triton.InferenceServerClient) -> None:
+    """Like Triton for a non-decoupled model: the n-th answer on the stream is
+    the n-th request's, even when a later one (a cache hit) finishes first."""
+    cached = f"stream order {uuid.uuid4().hex}"
+    tc.infer("minilm", [text_input([cached])])
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    tc.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        sent = [busy_texts(8), [cached], [""], [cached]]
+        for i, texts in enumerate(sent):
+            tc.async_stream_infer("minilm", [text_input(texts)], request_id=str(i))
+        got = [answers.get(timeout=60) for _ in sent]
+    finally:
+        tc.stop_stream()
+    assert [e is None for _, e in got] == [True, True, False, True]
+    ok = [r for r, e in got if e is None]
+    assert [r.get_response().id for r in ok] == ["0", "1", "3"]
+    assert [r.as_numpy("EMBEDDING").shape[0] for r in ok] == [8, 1, 1]
+    assert "texts[0] is empty" in got[2][1].message()
+
+
+def test_a_timeout_of_zero_means_none(tc: triton.InferenceServerClient) -> None:
+    """tritonclient's `timeout` (µs) of 0 is Triton's 'no timeout', not a
+    deadline that has already passed: queued behind a busy engine, it waits."""
+    done: queue.Queue[Any] = queue.Queue()
+    tc.async_infer(
+        "minilm",
+        [text_input(busy_texts())],
+        callback=lambda result, error: done.put(error),
+    )
+    time.sleep(0.2)  # the busy call is on the engine
+    text = f"timeout zero {uuid.uuid4().hex}"
+    result = tc.infer("minilm", [text_input([text])], timeout=0, client_timeout=60)
+    assert result.as_numpy("EMBEDDING").shape == (1, 384)
+    assert done.get(timeout=60) is None
+
+
+def test_very_long_timeouts_are_accepted(tc: triton.InferenceServerClient) -> None:
+    """A deadline past the internal hops' uint32 milliseconds (~50 days) is
+    as good as none: answered, not UNKNOWN (unary) or dropped (stream)."""
+    far = 2**32 * 1000  # µs: 2**32 ms
+    text = f"far deadline {uuid.uuid4().hex}"
+    result = tc.infer("minilm", [text_input([text])], timeout=far)
+    assert result.as_numpy("EMBEDDING").shape == (1, 384)
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    tc.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        tc.async_stream_infer(
+            "minilm", [text_input([text + " stream"])], request_id="far", timeout=far
+        )
+        got, error = answers.get(timeout=30)
+    finally:
+        tc.stop_stream()
+    assert error is None and got.get_response().id == "far"
 
 
 def test_statistics_count_requests_and_cache_hits(
