@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -204,6 +205,31 @@ EMBED = berth_pb2.EmbedRequest(model="minilm", texts=["is the batcher up yet?"])
 WAITING = "start-up: requests wait for the engines"
 
 
+def held_call(
+    processes: contextlib.ExitStack,
+    repository: Path,
+    flags: tuple[str, ...],
+    wait_s: float,
+) -> tuple[Service, Any]:
+    """A gateway started with ``flags`` and one Embed sent to it, checked to
+    be still unanswered ``wait_s`` later (without the start-up wait it is
+    answered at once, from the fallback)."""
+    gateway = processes.enter_context(service("gateway", repository, *flags))
+    gateway.wait_for("NOT_SERVING")
+    channel = processes.enter_context(grpc.insecure_channel(gateway.address))
+    call = berth_pb2_grpc.BerthStub(channel).Embed.future(EMBED, timeout=120)
+    time.sleep(wait_s)
+    assert not call.done(), call.result()
+    return gateway, call
+
+
+def assert_answered_by_engines(call: Any) -> None:
+    reply = call.result(timeout=120)
+    assert not reply.degraded
+    assert ("x-berth-degraded", "true") not in call.trailing_metadata()
+    assert len(reply.embeddings[0].values) == 384
+
+
 @pytest.mark.parametrize("mode", ["batcher", "inline"])
 def test_a_starting_gateway_waits_for_its_batcher(
     two_gateways: Stack, repository: Path, mode: str
@@ -227,19 +253,10 @@ def test_a_starting_gateway_waits_for_its_batcher(
         os.kill(peer, signal.SIGSTOP)
         try:
             flags = (flag, address, "--startup-wait-s", "60")
-            gateway = processes.enter_context(service("gateway", repository, *flags))
-            gateway.wait_for("NOT_SERVING")
-            channel = processes.enter_context(grpc.insecure_channel(gateway.address))
-            call = berth_pb2_grpc.BerthStub(channel).Embed.future(EMBED, timeout=90)
-            time.sleep(2)
-            # (Without the start-up wait: answered at once, from the fallback.)
-            assert not call.done(), call.result()
+            gateway, call = held_call(processes, repository, flags, wait_s=2)
         finally:
             os.kill(peer, signal.SIGCONT)
-        reply = call.result(timeout=90)
-        assert not reply.degraded
-        assert ("x-berth-degraded", "true") not in call.trailing_metadata()
-        assert len(reply.embeddings[0].values) == 384
+        assert_answered_by_engines(call)
         assert gateway.logs().count(WAITING) == 1, gateway.logs()
 
 
@@ -256,18 +273,9 @@ def test_a_gateway_started_before_its_engines_waits_for_them(
         )
         batcher.wait_for("NOT_SERVING", "SERVING")
         flags = ("--batcher", batcher.address, "--startup-wait-s", "120")
-        gateway = processes.enter_context(service("gateway", repository, *flags))
-        gateway.wait_for("NOT_SERVING")
-        channel = processes.enter_context(grpc.insecure_channel(gateway.address))
-        call = berth_pb2_grpc.BerthStub(channel).Embed.future(EMBED, timeout=120)
-        time.sleep(1)
-        # (Without the start-up wait: answered at once, from the fallback.)
-        assert not call.done(), call.result()
+        gateway, call = held_call(processes, repository, flags, wait_s=1)
         processes.enter_context(service("engine", repository, port=port))
-        reply = call.result(timeout=120)
-        assert not reply.degraded
-        assert ("x-berth-degraded", "true") not in call.trailing_metadata()
-        assert len(reply.embeddings[0].values) == 384
+        assert_answered_by_engines(call)
         gateway.wait_for("SERVING")
         assert gateway.logs().count(WAITING) == 1, gateway.logs()
 
