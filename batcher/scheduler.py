@@ -122,6 +122,7 @@ class ModelScheduler:
         self._inflight: set[asyncio.Task[None]] = set()
         self._task: asyncio.Task[None] | None = None
         self._engineless_since: float | None = None
+        self._stopped = False  # drained: nothing batches what is queued now
         metrics.BREAKER_STATE.labels(self.name).set(0)
         for b, length in enumerate(entry.buckets):
             metrics.TARGET_BATCH.labels(self.name, length).set(self.core.batch_size(b))
@@ -195,6 +196,8 @@ class ModelScheduler:
             deliver(_error(reply_id, code, message))
 
     def _refusal(self) -> str | None:
+        if self._stopped:
+            return f"the batcher of {self.name!r} is shutting down"
         if not self.pool.serving(self.name):
             return f"no engine is serving model {self.name!r}"
         if self.breaker.current() is BreakerState.OPEN:
@@ -222,6 +225,7 @@ class ModelScheduler:
             self._wake.set()
             await asyncio.sleep(0.01)
         if self._task is not None:
+            self._stopped = True
             self._task.cancel()
 
     async def _loop(self) -> None:
@@ -267,6 +271,9 @@ class ModelScheduler:
         elif now - self._engineless_since > NO_ENGINE_GRACE_S:
             while (batch := self.core.next_batch(now, eager=True)) is not None:
                 self._fail_batch(batch, f"no engine is serving model {self.name!r}")
+            # What those passes dropped as expired is answered now: with the
+            # queue empty, the loop sleeps until new work arrives.
+            self._report_dropped()
 
     def _report_dropped(self) -> None:
         for key, reason in self.core.take_dropped():

@@ -13,7 +13,10 @@ batcher's own scheduler and engine pool:
 - a batch its engine does not answer within the batch timeout fails with a
   clear status, and the engine is ejected;
 - two models' batches on one engine's stream at once each get their own
-  answer (batch ids are unique across the pool's models).
+  answer (batch ids are unique across the pool's models);
+- queued work is always answered: when it expires while no engine is up,
+  and when it arrives after the scheduler was drained;
+- a model with a backlog does not starve another on the same engine.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ import threading
 
 import grpc
 import numpy as np
+import pytest
 
+from batcher import scheduler as scheduler_module
 from batcher.engines import EnginePool
 from batcher.scheduler import ModelScheduler, SchedulerConfig
 from engine.service import EngineService
@@ -297,3 +302,121 @@ def test_a_batch_id_already_in_flight_fails_its_batch_clearly(
     refused = [a for got in answers.values() for a in got if a.code]
     assert len(refused) == len(TWO_LENGTHS)
     assert all("already await answers" in a.message for a in refused), refused
+
+
+def test_work_expiring_while_no_engine_is_up_is_still_answered(
+    tiny: ModelEntry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sequence queued when its engine goes away, whose deadline passes
+    during the engine-less grace, is answered DEADLINE_EXCEEDED when the
+    grace ends (the core dropped it as expired while the scheduler failed
+    what was queued, and nobody took the drop: it was never answered)."""
+    monkeypatch.setattr(scheduler_module, "NO_ENGINE_GRACE_S", 0.3)
+    entry = dataclasses.replace(tiny, buckets=BUCKETS)
+    release = threading.Event()
+
+    async def scenario() -> list[internal_pb2.SequenceResult]:
+        service, server, address = engine(entry)
+        pool = EnginePool([address], slots_per_engine=1)
+        scheduler = ModelScheduler(entry, pool, SchedulerConfig(max_delay_s=0.001))
+        service._compute.submit(release.wait)  # the device is stuck elsewhere
+        await serving(scheduler, pool, server)
+        answers: list[internal_pb2.SequenceResult] = []
+        scheduler.submit(sequences(entry.name, [5]), answers.append)  # the slot
+        await asyncio.sleep(0.05)
+        late = sequences(entry.name, [6])
+        late.ids[:] = [2]
+        late.timeout_ms = 100
+        scheduler.submit(late, answers.append)  # queued: no free slot
+        await asyncio.sleep(0.05)
+        await server.stop(None)  # the engine goes away
+        try:
+            async with asyncio.timeout(5):
+                while len(answers) < 2:
+                    await asyncio.sleep(0.01)
+        except TimeoutError:
+            pass
+        finally:
+            release.set()
+            await scheduler.drain()
+            await pool.close()
+        return answers
+
+    answers = asyncio.run(scenario())
+    codes = {a.id: a.code for a in answers}
+    assert codes == {
+        1: grpc.StatusCode.UNAVAILABLE.value[0],
+        2: grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
+    }, [(a.id, a.message) for a in answers]
+
+
+def test_work_submitted_after_drain_is_refused_not_left_queued(
+    tiny: ModelEntry,
+) -> None:
+    """Once drained, the scheduler's loop is gone, but its gateways' streams
+    stay open until the server stops (up to its grace period): a sequence
+    they send meanwhile is refused UNAVAILABLE at once (it was queued where
+    nothing would ever batch it)."""
+    entry = dataclasses.replace(tiny, buckets=BUCKETS)
+
+    async def scenario() -> list[internal_pb2.SequenceResult]:
+        _, server, address = engine(entry)
+        pool = EnginePool([address])
+        scheduler = ModelScheduler(entry, pool, SchedulerConfig(max_delay_s=0.001))
+        await serving(scheduler, pool, server)
+        answers: list[internal_pb2.SequenceResult] = []
+        try:
+            await scheduler.drain()
+            scheduler.submit(sequences(entry.name, [5]), answers.append)
+            async with asyncio.timeout(2):
+                while not answers:
+                    await asyncio.sleep(0.01)
+        except TimeoutError:
+            pass
+        finally:
+            await pool.close()
+            await server.stop(None)
+        return answers
+
+    answers = asyncio.run(scenario())
+    assert [a.code for a in answers] == [grpc.StatusCode.UNAVAILABLE.value[0]]
+    assert "shutting down" in answers[0].message
+
+
+def test_a_flooded_model_does_not_starve_another_on_the_same_engine(
+    tiny: ModelEntry,
+) -> None:
+    """Two models' schedulers share an engine's slots. With one model's
+    backlog always ready, the other's lone sequence still gets a slot soon
+    (every freed slot woke the first-subscribed scheduler first, which took
+    it: the other model waited for the whole backlog, 400 of 400)."""
+    flooded = dataclasses.replace(tiny, name="flooded", buckets=BUCKETS)
+    other = dataclasses.replace(tiny, name="other", buckets=BUCKETS)
+
+    async def scenario() -> list[str]:
+        _, server, address = engine(flooded, other)
+        pool = EnginePool([address], slots_per_engine=2)
+        config = SchedulerConfig(max_delay_s=0.001, max_batch=4)
+        schedulers = [ModelScheduler(e, pool, config) for e in (flooded, other)]
+        schedulers[1].start()
+        await serving(schedulers[0], pool, server)
+        order: list[str] = []
+        for scheduler, n in zip(schedulers, (400, 1), strict=True):
+            submitted = sequences(scheduler.name, [5] * n)
+            scheduler.submit(
+                submitted, lambda _, name=scheduler.name: order.append(name)
+            )
+        try:
+            while len(order) < 401:
+                await asyncio.sleep(0.01)
+        finally:
+            for scheduler in schedulers:
+                await scheduler.drain()
+            await pool.close()
+            await server.stop(None)
+        return order
+
+    order = asyncio.run(scenario())
+    ahead = order.index("other")
+    print(f"the other model's sequence answered after {ahead} of 400 flooded ones")
+    assert ahead < 100
