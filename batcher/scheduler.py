@@ -374,6 +374,10 @@ class ModelScheduler:
         started = time.monotonic()
         try:
             result = await self._execute(engine, message, bucket)
+            # An answer of the wrong size fails here, its callers answered.
+            outputs = np.frombuffer(result.output, dtype="<f4").reshape(
+                len(keys), result.width
+            )
             self.breaker.record_success()
         except Exception as exc:
             if not isinstance(exc, BerthError):  # a bug: answered, never dropped
@@ -394,9 +398,6 @@ class ModelScheduler:
         metrics.BATCH_LATENCY.labels(self.name, message.length).observe(latency)
         self.hedges.earn()
         self._adapt(bucket, message, result)
-        outputs = np.frombuffer(result.output, dtype="<f4").reshape(
-            len(keys), result.width
-        )
         inference_us = int(latency * 1e6)
         answered = 0
         for row, key in enumerate(keys):
