@@ -14,6 +14,7 @@ from typing import TypeVar
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from gateway import metrics
 from gateway.batcher_client import Batching
@@ -104,6 +105,17 @@ def embeddings_wire(vectors: np.ndarray, counts: list[int]) -> bytes:
         )
         parts += (_EMBEDDINGS_TAG, _varint(len(body)), body)
     return b"".join(parts)
+
+
+def tokenize_response(model: Model, texts: list[str]) -> berth_pb2.TokenizeResponse:
+    """The answer to a Tokenize call; raises InvalidInput."""
+    return berth_pb2.TokenizeResponse(
+        model=model.entry.name,
+        results=[
+            berth_pb2.TokenizedText(ids=i, tokens=t)
+            for i, t in model.encoder.tokens(texts)
+        ],
+    )
 
 
 class Admission:
@@ -421,6 +433,26 @@ class Gateway:
                 )
             return response
 
+    async def tokenize(
+        self, request: berth_pb2.TokenizeRequest
+    ) -> berth_pb2.TokenizeResponse:
+        """Ids and tokens per text. A long call is tokenized on the tokenizer
+        threads, as for Embed: ~4 M characters take seconds, and on the event
+        loop they would stall every other request of this gateway."""
+        model = self.models.get(request.model)
+        if model is None:
+            raise InvalidInput(
+                f"unknown model {request.model!r}; this gateway serves "
+                f"{', '.join(sorted(self.models))}"
+            )
+        texts = list(request.texts)
+        if sum(map(len, texts)) <= INLINE_TOKENIZE_CHARS:
+            return tokenize_response(model, texts)
+        with self.admission:  # bounds the calls queued for the threads
+            return await asyncio.get_running_loop().run_in_executor(
+                self._tokenize_pool, tokenize_response, model, texts
+            )
+
     def describe(self, name: str) -> berth_pb2.ModelInfoResponse:
         if name and name not in self.models:
             raise InvalidInput(
@@ -491,17 +523,10 @@ class BerthService(berth_pb2_grpc.BerthServicer):
         self, request: berth_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> berth_pb2.TokenizeResponse:
         try:
-            model = self.gateway.models.get(request.model)
-            if model is None:
-                raise InvalidInput(f"unknown model {request.model!r}")
-            pairs = model.encoder.tokens(list(request.texts))
+            return await self.gateway.tokenize(request)
         except BerthError as exc:
             await abort(context, exc)
             raise
-        return berth_pb2.TokenizeResponse(
-            model=request.model,
-            results=[berth_pb2.TokenizedText(ids=i, tokens=t) for i, t in pairs],
-        )
 
     async def ModelInfo(
         self, request: berth_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext
@@ -550,5 +575,29 @@ class BerthService(berth_pb2_grpc.BerthServicer):
                     )
                 )
 
-        async for response in answer_concurrently(request_iterator, answer):
+        unreadable: list[BerthError] = []
+
+        async def readable() -> AsyncIterator[berth_pb2.StreamRequest]:
+            """The caller's requests up to one that cannot be read (bad
+            protobuf, a string that is not UTF-8): gRPC reads nothing past it,
+            so the requests before it are answered and the stream then ends
+            with its error, instead of waiting for more that never come."""
+            n = 0
+            try:
+                async for request in request_iterator:
+                    n += 1
+                    yield request
+            except Exception as exc:
+                kind = InvalidInput if isinstance(exc, DecodeError) else BerthError
+                unreadable.append(
+                    kind(
+                        f"StreamRequest {n + 1} of this stream cannot be read "
+                        f"({exc}); the {n} before it are answered, and the "
+                        "stream ends here"
+                    )
+                )
+
+        async for response in answer_concurrently(readable(), answer):
             yield response
+        if unreadable:
+            await abort(context, unreadable[0])

@@ -87,7 +87,16 @@ class TextEncoder:
         return out
 
     def tokens(self, texts: list[str]) -> list[tuple[list[int], list[str]]]:
+        """Ids and token strings per text, [CLS] ... [SEP]. A text over the
+        token limit is tokenized whole (that is how a caller learns how far
+        over it is); one over the character guard is refused untokenized."""
         self.check_count(texts)
+        for i, text in enumerate(texts):
+            if len(text) > self.max_chars:
+                raise InvalidInput(
+                    f"texts[{i}] has {len(text)} characters, over the limit of "
+                    f"{self.max_chars} for model {self.model!r}; shorten it"
+                )
         return [
             (e.ids, e.tokens)
             for e in self.tokenizer.encode_batch(texts, add_special_tokens=True)

@@ -1,0 +1,105 @@
+"""Edges of the public berth.v1 API, through `berth serve`."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import grpc
+import pytest
+
+from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
+from tests.stack import Stack
+
+
+def test_tokenize_refuses_a_text_far_over_the_limit(
+    client: berth_pb2_grpc.BerthStub,
+) -> None:
+    huge = "hello world " * 100_000
+    request = berth_pb2.TokenizeRequest(model="minilm", texts=["fine", huge])
+    with pytest.raises(grpc.RpcError) as info:
+        client.Tokenize(request, timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "texts[1] has 1200000 characters, over the limit of 16384" in (
+        info.value.details() or ""
+    )
+    # A text over the token limit but not the character guard is tokenized:
+    # Tokenize is how a caller learns how long a text is.
+    request = berth_pb2.TokenizeRequest(model="minilm", texts=["word " * 600])
+    assert len(client.Tokenize(request, timeout=30).results[0].ids) == 602
+
+
+def test_large_tokenize_call_does_not_stall_other_calls(stack: Stack) -> None:
+    options = [("grpc.max_receive_message_length", 64 * 2**20)]
+    with (
+        grpc.insecure_channel(stack.gateway, options=options) as big,
+        grpc.insecure_channel(stack.gateway) as small,
+    ):
+        tokenizer = berth_pb2_grpc.BerthStub(big)
+        other = berth_pb2_grpc.BerthStub(small)
+        # 256 texts just under the character guard: ~800k tokens.
+        texts = [f"hello world {i} " * 1000 for i in range(256)]
+        request = berth_pb2.TokenizeRequest(model="minilm", texts=texts)
+        done: list[berth_pb2.TokenizeResponse] = []
+        call = threading.Thread(
+            target=lambda: done.append(tokenizer.Tokenize(request, timeout=60))
+        )
+        call.start()
+        time.sleep(0.2)
+        slowest = 0.0
+        while call.is_alive():
+            t0 = time.perf_counter()
+            other.ModelInfo(berth_pb2.ModelInfoRequest(model="minilm"), timeout=30)
+            slowest = max(slowest, time.perf_counter() - t0)
+        call.join()
+    assert len(done) == 1 and len(done[0].results) == 256
+    assert slowest < 0.75, f"ModelInfo waited {slowest:.2f} s behind a Tokenize call"
+
+
+def test_stream_with_a_malformed_message_ends_with_invalid_argument(
+    stack: Stack,
+) -> None:
+    """A message that is not a StreamRequest (here: a string with bad UTF-8)
+    ends the stream with INVALID_ARGUMENT; what came before is answered."""
+    good = berth_pb2.StreamRequest(
+        embed=berth_pb2.EmbedRequest(model="minilm", texts=["abc"], request_id=1)
+    ).SerializeToString()
+    bad = good.replace(b"abc", b"a\xffc")
+    with grpc.insecure_channel(stack.gateway) as channel:
+        stream = channel.stream_stream(
+            "/berth.v1.Berth/Stream",
+            request_serializer=lambda raw: raw,
+            response_deserializer=berth_pb2.StreamResponse.FromString,
+        )
+        answers = []
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as info:
+            for response in stream(iter([good, bad]), timeout=20):
+                answers.append(response)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "StreamRequest 2" in (info.value.details() or "")
+    assert "UTF-8" in (info.value.details() or "")
+    assert time.monotonic() - t0 < 10
+    assert [a.WhichOneof("response") for a in answers] == ["embed"]
+    assert answers[0].embed.request_id == 1
+
+
+@pytest.mark.parametrize(
+    ("method", "request_"),
+    [
+        ("Embed", berth_pb2.EmbedRequest(model="nope", texts=["hi"])),
+        ("Classify", berth_pb2.ClassifyRequest(model="nope", texts=["hi"])),
+        ("Tokenize", berth_pb2.TokenizeRequest(model="nope", texts=["hi"])),
+        ("ModelInfo", berth_pb2.ModelInfoRequest(model="nope")),
+    ],
+)
+def test_unknown_model_names_the_served_ones_on_every_rpc(
+    client: berth_pb2_grpc.BerthStub, method: str, request_: Any
+) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        getattr(client, method)(request_, timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details() == (
+        "unknown model 'nope'; this gateway serves intent, minilm"
+    )
