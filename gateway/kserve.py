@@ -33,7 +33,7 @@ from services.errors import BerthError, InvalidInput, UnknownModel, abort
 from services.proto.berth.v1 import berth_pb2
 from services.proto.inference import grpc_service_pb2 as pb
 from services.proto.inference import grpc_service_pb2_grpc as pb_grpc
-from services.streams import answer_in_order
+from services.streams import answer_in_order, until_unreadable
 
 log = logging.getLogger("berth.gateway")
 
@@ -501,5 +501,9 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
                     error_message=message, infer_response=failed
                 )
 
-        async for response in answer_in_order(request_iterator, answer):
+        unreadable: list[BerthError] = []
+        requests = until_unreadable(request_iterator, unreadable)
+        async for response in answer_in_order(requests, answer):
             yield response
+        if unreadable:
+            await abort(context, unreadable[0])

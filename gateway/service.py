@@ -14,7 +14,6 @@ from typing import TypeVar
 
 import grpc
 import numpy as np
-from google.protobuf.message import DecodeError
 
 from gateway import metrics
 from gateway.batcher_client import Batching
@@ -32,7 +31,7 @@ from services.errors import (
 )
 from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
 from services.repository import ModelEntry
-from services.streams import answer_concurrently
+from services.streams import answer_concurrently, until_unreadable
 from services.telemetry import inject, server_span, span_if_recording, tracer
 
 log = logging.getLogger("berth.gateway")
@@ -576,28 +575,8 @@ class BerthService(berth_pb2_grpc.BerthServicer):
                 )
 
         unreadable: list[BerthError] = []
-
-        async def readable() -> AsyncIterator[berth_pb2.StreamRequest]:
-            """The caller's requests up to one that cannot be read (bad
-            protobuf, a string that is not UTF-8): gRPC reads nothing past it,
-            so the requests before it are answered and the stream then ends
-            with its error, instead of waiting for more that never come."""
-            n = 0
-            try:
-                async for request in request_iterator:
-                    n += 1
-                    yield request
-            except Exception as exc:
-                kind = InvalidInput if isinstance(exc, DecodeError) else BerthError
-                unreadable.append(
-                    kind(
-                        f"StreamRequest {n + 1} of this stream cannot be read "
-                        f"({exc}); the {n} before it are answered, and the "
-                        "stream ends here"
-                    )
-                )
-
-        async for response in answer_concurrently(readable(), answer):
+        requests = until_unreadable(request_iterator, unreadable)
+        async for response in answer_concurrently(requests, answer):
             yield response
         if unreadable:
             await abort(context, unreadable[0])

@@ -17,9 +17,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, Generic, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from services.channels import aio_channel
-from services.errors import Unavailable
+from services.errors import BerthError, InvalidInput, Unavailable
 
 log = logging.getLogger("berth.streams")
 
@@ -234,3 +235,26 @@ async def answer_in_order(
         reader.cancel()
         for task in list(tasks):
             task.cancel()
+
+
+async def until_unreadable(
+    requests: AsyncIterator[Request], unreadable: list[BerthError]
+) -> AsyncIterator[Request]:
+    """A server stream's requests up to one that cannot be read (bad
+    protobuf, a string that is not UTF-8), whose error goes to
+    ``unreadable``: gRPC reads nothing past it, so the requests before it
+    are answered and the handler then ends the stream with that error,
+    instead of the stream waiting for requests that never come."""
+    n = 0
+    try:
+        async for request in requests:
+            n += 1
+            yield request
+    except Exception as exc:
+        kind = InvalidInput if isinstance(exc, DecodeError) else BerthError
+        unreadable.append(
+            kind(
+                f"message {n + 1} of this stream cannot be read ({exc}); the "
+                f"{n} before it are answered, and the stream ends here"
+            )
+        )

@@ -206,6 +206,36 @@ def test_stream_answers_each_request(tc: triton.InferenceServerClient) -> None:
     assert len(errors) == 1 and "texts[0] is empty" in errors[0].message()
 
 
+def test_stream_with_a_malformed_message_ends_with_invalid_argument(
+    stack: Stack,
+) -> None:
+    """A ModelStreamInfer message that cannot be read (a model name that is
+    not UTF-8) ends the stream with INVALID_ARGUMENT at once; the request
+    before it is answered (before: the stream hung to its deadline)."""
+    import grpc
+
+    request = service_pb2.ModelInferRequest(model_name="minilm", id="good")
+    tensor = request.inputs.add(name="TEXT", datatype="BYTES", shape=[1])
+    tensor.contents.bytes_contents.append(b"one good text")
+    good = request.SerializeToString()
+    bad = good.replace(b"minilm", b"min\xfflm")
+    with grpc.insecure_channel(stack.gateway) as channel:
+        stream = channel.stream_stream(
+            "/inference.GRPCInferenceService/ModelStreamInfer",
+            request_serializer=lambda raw: raw,
+            response_deserializer=service_pb2.ModelStreamInferResponse.FromString,
+        )
+        answers = []
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as info:
+            for response in stream(iter([good, bad]), timeout=20):
+                answers.append(response)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "message 2 of this stream" in (info.value.details() or "")
+    assert time.monotonic() - t0 < 10
+    assert [(a.error_message, a.infer_response.id) for a in answers] == [("", "good")]
+
+
 def busy_texts(n: int = 32) -> list[str]:
     """Texts no other call sent, long enough to keep the engine busy a while."""
     tag = uuid.uuid4().hex
