@@ -15,7 +15,7 @@ from services.logs import setup_logging
 from services.loop import run
 from services.metrics import serve_metrics
 from services.proto.berth.v1 import internal_pb2, internal_pb2_grpc
-from services.repository import load_repository
+from services.repository import RepositoryError, load_repository
 from services.server import ServiceServer
 from services.telemetry import setup_tracing, shutdown_tracing
 
@@ -46,6 +46,13 @@ async def main(args: argparse.Namespace) -> None:
     serve_metrics("engine", args.host, args.metrics_port)
     repository = load_repository(args.model_repository)
     wanted = [m for m in args.models.split(",") if m] or list(repository)
+    unknown = [m for m in wanted if m not in repository]
+    if unknown:
+        raise RepositoryError(
+            f"--models names {', '.join(map(repr, unknown))}, not in the model "
+            f"repository {args.model_repository} (it has {', '.join(repository)}); "
+            "fix --models or --model-repository"
+        )
     models = {name: repository[name] for name in wanted}
     server = ServiceServer(
         "engine",

@@ -9,6 +9,7 @@ weights), cached beside the float32 file.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import time
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from engine.backend import BackendError, loaded, warm_up_eagerly
+from engine.encoder import read_config
 from engine.onnx_export import OUTPUT_NAME, cache_dir, export_entry
 from engine.torch_backend import check_batch, default_threads
 from services.repository import ModelEntry
@@ -27,11 +29,13 @@ log = logging.getLogger("berth.engine")
 
 @dataclass
 class OnnxModel:
-    """One loaded model: its session and output width."""
+    """One loaded model: its session, output width and input limits."""
 
     session: Any  # onnxruntime.InferenceSession
     width: int
     path: Path
+    vocab: int  # token ids lie in [0, vocab)
+    max_length: int  # positions the model can encode
 
 
 def quantize_onnx_int8(path: Path) -> Path:
@@ -41,10 +45,18 @@ def quantize_onnx_int8(path: Path) -> Path:
     out = path.with_name(path.stem + "-int8.onnx")
     if out.is_file():
         return out
-    start = time.perf_counter()
-    tmp = out.with_name(f".{out.name}.tmp")
-    quantize_dynamic(path, tmp, per_channel=True, weight_type=QuantType.QInt8)
-    tmp.replace(out)
+    # Engines starting together quantize once (as they export once): the
+    # quantizer also writes its own file beside ``path``, so two at once
+    # break each other's files.
+    with open(out.with_name(f".{out.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if out.is_file():
+            log.info("onnx int8: %s written by another process", out.name)
+            return out
+        start = time.perf_counter()
+        tmp = out.with_name(f".{out.name}.tmp")
+        quantize_dynamic(path, tmp, per_channel=True, weight_type=QuantType.QInt8)
+        tmp.replace(out)
     log.info("onnx int8: %s written in %.1f s", out.name, time.perf_counter() - start)
     return out
 
@@ -129,7 +141,10 @@ class OnnxRuntimeBackend:
                 "lengths": np.full(1, 2, dtype=np.int32),
             },
         )[0]
-        self._models[entry.name] = OnnxModel(session, int(probe.shape[1]), path)
+        config = read_config(entry.checkpoint_dir)
+        self._models[entry.name] = OnnxModel(
+            session, int(probe.shape[1]), path, config.vocab_size, config.max_length
+        )
         log.info(
             "model %s loaded on onnxruntime from %s (width %d, providers %s)",
             entry.name,
@@ -144,6 +159,19 @@ class OnnxRuntimeBackend:
     def run(self, model: str, token_ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         loaded = self.model(model)
         check_batch(token_ids, lengths)
+        # What the torch backend refuses too: onnxruntime would read a negative
+        # id from the end of the embedding table, and fail a length over the
+        # position table with a broadcasting error.
+        if token_ids.shape[1] > loaded.max_length:
+            raise ValueError(
+                f"sequence length {token_ids.shape[1]} is over the model's "
+                f"{loaded.max_length} positions"
+            )
+        if token_ids.size and (token_ids.min() < 0 or token_ids.max() >= loaded.vocab):
+            raise ValueError(
+                f"token ids must lie in [0, {loaded.vocab}), got {token_ids.min()} "
+                f"to {token_ids.max()}"
+            )
         feeds = {
             "input_ids": np.ascontiguousarray(token_ids, dtype=np.int32),
             "lengths": np.ascontiguousarray(lengths, dtype=np.int32),

@@ -197,7 +197,10 @@ class EngineService(internal_pb2_grpc.EngineServicer):
                 item = await self._next_work(wait=True)
                 assert item is not None  # (wait=True returns a batch)
                 batch, caller = item
-                if self._work.empty():  # nothing to overlap
+                # Nothing to overlap: no batch waiting, or a backend without
+                # submit, whose start computes the whole batch (the answer
+                # would wait for the next batch's compute).
+                if self._work.empty() or not self._queues_work():
                     if self._on_loop(batch):
                         caller.answer(self.run_batch(batch))
                     else:  # one thread hop
@@ -226,9 +229,13 @@ class EngineService(internal_pb2_grpc.EngineServicer):
         on the H200 machine's virtual CPUs cost more than such a batch
         computes. Larger batches and CPU backends keep the loop free."""
         return (
-            getattr(self.backend, "submit", None) is not None
+            self._queues_work()
             and batch.batch_size * batch.length <= ON_LOOP_MAX_TOKENS
         )
+
+    def _queues_work(self) -> bool:
+        """Whether the backend queues work on a device (submit, then collect)."""
+        return getattr(self.backend, "submit", None) is not None
 
     def _advance(
         self, done: Started, batch: internal_pb2.Batch | None

@@ -101,6 +101,26 @@ def test_onnx_backend_rejects_unknown_model() -> None:
         backend.width("nope")
 
 
+def test_onnx_backend_refuses_what_the_model_cannot_encode(
+    tiny: ModelEntry, cache: Path
+) -> None:
+    """Ids outside the vocabulary and lengths over the position table fail
+    the batch with the reason, as on torch, never a wrong answer (onnxruntime's
+    Gather reads a negative id from the end of the table) or a kernel error."""
+    onnx = OnnxRuntimeBackend("cpu", threads=1, cache=cache)
+    onnx.load(tiny)
+    lengths = np.array([3, 0], dtype=np.int32)
+    for bad in (-5, 1000):  # tiny: 1,000 ids
+        ids = np.array([[101, bad, 102], [0, 0, 0]], dtype=np.int32)
+        with pytest.raises(ValueError, match=r"token ids must lie in \[0, 1000\)"):
+            onnx.run("tiny", ids, lengths)
+    too_long = np.ones((1, 65), dtype=np.int32)  # tiny: 64 positions
+    with pytest.raises(ValueError, match="65 is over the model's 64 positions"):
+        onnx.run("tiny", too_long, np.array([65], dtype=np.int32))
+    fits = np.ones((1, 64), dtype=np.int32)
+    assert onnx.run("tiny", fits, np.array([64], dtype=np.int32)).shape == (1, 32)
+
+
 def test_engines_starting_together_export_once(
     entries: dict[str, ModelEntry], tmp_path: Path
 ) -> None:
@@ -135,3 +155,44 @@ def test_engines_starting_together_export_once(
     assert len(exported) == 1, outputs  # the other waited (or, late, found it)
     paths = {o.strip().splitlines()[-1] for o in outputs}
     assert len(paths) == 1 and Path(paths.pop()).is_file()
+
+
+def test_engines_starting_together_quantize_once(
+    entries: dict[str, ModelEntry], tmp_path: Path
+) -> None:
+    """Two engines loading the same int8 model on onnxruntime at once: one
+    quantizes, the other waits for its file (onnxruntime's quantizer writes
+    beside the float32 file; two at once broke each other's files)."""
+    import json
+    import subprocess
+    import sys
+
+    entry = dataclasses.replace(entries["intent"], quantize="int8")
+    export_entry(entry, tmp_path)  # the float32 file, as an earlier start left it
+    code = (
+        "import json, logging, sys\n"
+        "from pathlib import Path\n"
+        "from engine.onnx_backend import OnnxRuntimeBackend\n"
+        "from services.repository import ModelEntry\n"
+        "logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
+        "entry = ModelEntry(**json.loads(sys.argv[1]))\n"
+        "backend = OnnxRuntimeBackend('cpu', threads=1, cache=Path(sys.argv[2]))\n"
+        "backend.load(entry)\n"
+        "print(backend.model(entry.name).path)\n"
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, json.dumps(dataclasses.asdict(entry)),
+             str(tmp_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for _ in range(2)
+    ]  # fmt: skip
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outputs
+    quantized = [o for o in outputs if "-int8.onnx written in" in o]
+    assert len(quantized) == 1, outputs  # the other waited (or, late, found it)
+    paths = {o.strip().splitlines()[-1] for o in outputs}
+    assert len(paths) == 1 and paths.pop().endswith("-int8.onnx")

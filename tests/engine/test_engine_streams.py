@@ -175,3 +175,36 @@ def test_late_cancels_are_not_kept(service: Any) -> None:
     assert [(a.id, a.code) for a in answers] == [(800, 0), (803, 0)]
     assert held == 0
     assert streams_left == 0
+
+
+def test_cpu_answers_are_not_held_for_the_next_batch(service: Any) -> None:
+    """On a backend without submit/collect (eager CPU), computing is the
+    whole batch: each answer goes back as soon as its batch is computed,
+    not after the next queued batch has been computed too."""
+    import time
+
+    if service.backend.device != "cpu":
+        pytest.skip("the CUDA backend overlaps batches on purpose")
+    rows = 1024  # tens of ms each on the CPU
+    plan = []
+    for i in range(6):
+        message = batch(900 + i, rows, 90 + i)
+        message.lengths = np.full(rows, LENGTH, dtype=np.int32).tobytes()
+        plan.append(message)
+
+    async def work(stub: Any) -> list[tuple[float, Any]]:
+        call = stub.Run()
+        for message in plan:  # all queued at once
+            await call.write(internal_pb2.EngineRequest(batch=message))
+        await call.done_writing()
+        return [(time.perf_counter(), result) async for result in call]
+
+    got = asyncio.run(serve(service, work))
+    assert [result.id for _, result in got] == [m.id for m in plan]
+    for (before, _), (after, result) in zip(got, got[1:], strict=False):
+        # Batch n+1 is computed after batch n is answered: its answer comes
+        # at least (most of) its compute time later.
+        assert after - before >= 0.5 * result.compute_us / 1e6, (
+            f"batch {result.id} answered {1e3 * (after - before):.1f} ms after "
+            f"the one before, its compute took {result.compute_us / 1e3:.1f} ms"
+        )
