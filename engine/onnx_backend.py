@@ -172,6 +172,11 @@ class OnnxRuntimeBackend:
                 f"token ids must lie in [0, {loaded.vocab}), got {token_ids.min()} "
                 f"to {token_ids.max()}"
             )
+        if lengths.size:
+            # As the torch CPU backend: compute up to the longest row, not the
+            # bucket's padded length (the graph's length axis is dynamic; at
+            # least 2 tokens, the shape it was exported and probed with).
+            token_ids = token_ids[:, : max(int(lengths.max()), 2)]
         feeds = {
             "input_ids": np.ascontiguousarray(token_ids, dtype=np.int32),
             "lengths": np.ascontiguousarray(lengths, dtype=np.int32),
