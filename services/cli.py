@@ -82,6 +82,11 @@ def engine_devices() -> list[str]:
 # ---- berth serve ------------------------------------------------------------
 
 
+def cpus_available() -> int:
+    """CPUs this process may run on: a cpuset's, not the host's count."""
+    return len(os.sched_getaffinity(0)) or 1
+
+
 def default_engines(gpus: int) -> int:
     """One engine per GPU. On a CPU-only machine one per core, up to 4, each
     on its share of the cores: on 2 cores two 1-thread engines serve as much
@@ -90,7 +95,7 @@ def default_engines(gpus: int) -> int:
     to."""
     if gpus:
         return gpus
-    return max(1, min(4, os.cpu_count() or 1))
+    return max(1, min(4, cpus_available()))
 
 
 def default_gateways(gpus: int) -> int:
@@ -101,7 +106,7 @@ def default_gateways(gpus: int) -> int:
     25 ms, load generator included (benchmarks/results/e2e_h200_*.json)."""
     if not gpus:
         return 1
-    return max(1, min(8, (os.cpu_count() or 1) // 2))
+    return max(1, min(8, cpus_available() // 2))
 
 
 def default_batchers(gateways: int) -> int:
@@ -174,6 +179,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if value not in allowed:
             log.error("%s must be one of %s, not %r", flag, ", ".join(allowed), value)
             return 2
+    for flag, count in (
+        ("--engines", args.engines),
+        ("--gateways", args.gateways),
+        ("--batchers", args.batchers),
+    ):
+        if count < 0:
+            log.error("%s must be 0 (the default count) or more, not %d", flag, count)
+            return 2
     repo = Path(args.model_repository)
     if args.build_models and not any(repo.glob("*/berth.json")):
         # Only an empty repository gets the defaults: a user's own entries,
@@ -198,7 +211,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             env["CUDA_VISIBLE_DEVICES"] = devices[i % gpus]
         elif engines > 1:
             # Share the CPU cores between engines instead of oversubscribing.
-            env["BERTH_TORCH_THREADS"] = str(max(1, (os.cpu_count() or 1) // engines))
+            env["BERTH_TORCH_THREADS"] = str(max(1, cpus_available() // engines))
         children.append(
             Child(
                 f"engine-{i}",
@@ -274,7 +287,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     *(
                         ("--engines", ",".join(engine_addresses), *batching)
                         if inline
-                        else ("--batcher", batcher_addresses[i % batchers])
+                        # --engines "" as well: a BERTH_ENGINES set where
+                        # serve runs must not make this gateway batch inline.
+                        else (
+                            "--batcher",
+                            batcher_addresses[i % batchers],
+                            "--engines",
+                            "",
+                        )
                     ),
                     "--metrics-port",
                     metrics_port(0 if i == 0 else 1 + engines + i),
@@ -297,19 +317,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         gateways,
         gateway,
     )
-    announced = False
     while not supervisor.stopping:
-        if not announced and _health(gateway, timeout=1.0) == "SERVING":
+        if not supervisor.served and _health(gateway, timeout=1.0) == "SERVING":
             print(
                 f"berth is serving on {gateway} "
                 f"(try: berth embed --model minilm 'hello world')",
                 flush=True,
             )
-            announced = True
-        if announced:
-            supervisor.watch()
-        else:
-            time.sleep(0.5)
+            supervisor.served = True
+        failure = supervisor.check()
+        if failure is not None:
+            log.error("%s", failure)
+            return supervisor.stop() or 1
+        time.sleep(0.2 if supervisor.served else 0.5)
     return supervisor.stop()
 
 
@@ -395,6 +415,8 @@ def _health(address: str, service: str = "", timeout: float = 5.0) -> str:
             health_pb2.HealthCheckRequest(service=service), timeout=timeout
         )
     except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.NOT_FOUND:  # the server answered
+            return f"SERVICE_UNKNOWN (no service {service!r}; '' is the whole server)"
         return f"UNREACHABLE ({exc.code().name})"
     return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 

@@ -12,17 +12,38 @@ DEFAULT_BATCHER_PORT = 50060
 DEFAULT_ENGINE_PORT = 50070
 
 
+TRUE = ("1", "true", "yes", "on")
+FALSE = ("0", "false", "no", "off")
+
+
+class ConfigError(ValueError):
+    """A BERTH_* environment variable holds a value its flag cannot take."""
+
+
 def env(name: str, default: Any) -> Any:
-    """``BERTH_<NAME>`` from the environment, converted to default's type."""
-    raw = os.environ.get(f"BERTH_{name.upper()}")
-    if raw is None:
+    """``BERTH_<NAME>`` from the environment, converted to default's type.
+
+    An empty value counts as unset (as OpenTelemetry's OTEL_* variables do);
+    one that is not of the flag's type raises ConfigError, naming it."""
+    var = f"BERTH_{name.upper()}"
+    raw = os.environ.get(var, "").strip()
+    if not raw:
         return default
     if isinstance(default, bool):
-        return raw.lower() in ("1", "true", "yes", "on")
-    if isinstance(default, int):
-        return int(raw)
-    if isinstance(default, float):
-        return float(raw)
+        if raw.lower() in TRUE:
+            return True
+        if raw.lower() in FALSE:
+            return False
+        raise ConfigError(
+            f"{var}={raw!r} is not a boolean (one of {', '.join(TRUE + FALSE)})"
+        )
+    kind = type(default)
+    if kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            what = "an integer" if kind is int else "a number"
+            raise ConfigError(f"{var}={raw!r} is not {what}") from None
     return raw
 
 
@@ -31,7 +52,10 @@ def add_flag(
 ) -> None:
     """``--name`` with default from BERTH_NAME, e.g. --max-delay-ms."""
     key = name.replace("-", "_")
-    value = env(key, default)
+    try:
+        value = env(key, default)
+    except ConfigError as exc:
+        parser.error(f"{exc}; it sets --{name}: fix it or unset it")
     kind = type(default) if default is not None else str
     if kind is bool:
         parser.add_argument(

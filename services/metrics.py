@@ -38,7 +38,13 @@ def serve_metrics(service: str, host: str, port: int) -> None:
     if port <= 0:
         log.info("%s: metrics disabled (--metrics-port 0)", service)
         return
-    start_http_server(port, addr=host)
+    try:
+        start_http_server(port, addr=host)
+    except OSError as exc:
+        raise OSError(
+            f"{service}: cannot serve /metrics on {host}:{port}: {exc.strerror}; "
+            "set --metrics-port to a free port (0: off)"
+        ) from exc
     log.info("%s: Prometheus metrics on http://%s:%d/metrics", service, host, port)
 
 

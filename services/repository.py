@@ -92,6 +92,33 @@ def position_limit(checkpoint_dir: Path) -> int:
     return limit
 
 
+def _check_types(entry: ModelEntry, config_file: Path) -> None:
+    """Each field of the JSON as its type: "normalize": "false" is no False."""
+
+    def refuse(key: str, must: str) -> None:
+        value = getattr(entry, key)
+        raise RepositoryError(f"{config_file}: {key} must be {must}, not {value!r}")
+
+    def positive(n: object) -> bool:
+        return isinstance(n, int) and not isinstance(n, bool) and n > 0
+
+    if not isinstance(entry.name, str) or not entry.name:
+        refuse("name", "a non-empty string")
+    for key in ("task", "checkpoint", "pooling", "backend", "quantize"):
+        if not isinstance(getattr(entry, key), str):
+            refuse(key, "a string")
+    for key in ("head", "labels"):
+        value = getattr(entry, key)
+        if value is not None and not isinstance(value, str):
+            refuse(key, "a path (a string) or null")
+    if not isinstance(entry.normalize, bool):
+        refuse("normalize", "true or false (a JSON boolean)")
+    if not positive(entry.max_tokens):
+        refuse("max_tokens", "a positive integer")
+    if not isinstance(entry.buckets, list) or not all(map(positive, entry.buckets)):
+        refuse("buckets", "a list of positive integers (sequence lengths)")
+
+
 def load_entry(entry_dir: Path) -> ModelEntry:
     config_file = entry_dir / "berth.json"
     try:
@@ -99,6 +126,7 @@ def load_entry(entry_dir: Path) -> ModelEntry:
         entry = ModelEntry(**data, root=str(entry_dir.resolve()))
     except (OSError, TypeError, json.JSONDecodeError) as exc:
         raise RepositoryError(f"{config_file}: {exc}") from exc
+    _check_types(entry, config_file)
     if entry.task not in TASKS:
         raise RepositoryError(f"{config_file}: task must be one of {TASKS}")
     if entry.pooling not in POOLINGS:

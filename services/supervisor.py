@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -20,6 +21,11 @@ from dataclasses import dataclass, field
 log = logging.getLogger("berth.serve")
 
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
+# A child that ran this long before dying starts its back-off afresh.
+RAN_A_WHILE_S = 60.0
+# Before berth first serves, a child that fails this many times in a row
+# (each within RAN_A_WHILE_S of starting) cannot start: berth serve gives up.
+STARTUP_ATTEMPTS = len(RESTART_BACKOFF_S)
 # Past each service's own drain timeout (30 s by default), so drains finish.
 STOP_TIMEOUT_S = 45.0
 
@@ -57,6 +63,8 @@ class Child:
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     started_at: float = 0.0
+    # When a child that died is due to start again (None: not waiting).
+    restart_at: float | None = None
 
     def start(self) -> None:
         env = {**os.environ, **self.env}
@@ -75,7 +83,7 @@ class Child:
             self.name,
             self.proc.pid,
             pinned,
-            " ".join(self.argv),
+            shlex.join(self.argv),
         )
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
@@ -103,6 +111,9 @@ class Supervisor:
     def __init__(self, children: list[Child]) -> None:
         self.children = children
         self._stopping = False
+        # Set once berth has served: from then on children are restarted
+        # for good; before, one that cannot start makes check() give up.
+        self.served = False
 
     def _on_signal(self, signum: int, frame: object) -> None:
         log.info("received %s: stopping berth", signal.Signals(signum).name)
@@ -118,30 +129,40 @@ class Supervisor:
     def stopping(self) -> bool:
         return self._stopping
 
-    def watch(self, poll_s: float = 0.2) -> None:
-        """Restart children that die, until asked to stop."""
-        while not self._stopping:
-            for child in self.children:
-                assert child.proc is not None
-                code = child.proc.poll()
-                if code is None or self._stopping:
-                    continue
-                backoff = RESTART_BACKOFF_S[
-                    min(child.restarts, len(RESTART_BACKOFF_S) - 1)
-                ]
-                if time.monotonic() - child.started_at > 60:
-                    child.restarts = 0  # it ran a while: a fresh failure
-                    backoff = RESTART_BACKOFF_S[0]
-                log.error(
-                    "%s exited with code %s; restarting in %.1f s",
-                    child.name,
-                    code,
-                    backoff,
+    def check(self) -> str | None:
+        """One pass: note children that died, restart those whose back-off
+        is over. Returns why berth cannot start, if a child cannot."""
+        for child in self.children:
+            if self._stopping:
+                return None
+            now = time.monotonic()
+            if child.restart_at is not None:
+                if now >= child.restart_at:
+                    child.restart_at = None
+                    child.restarts += 1
+                    child.start()
+                continue
+            assert child.proc is not None
+            code = child.proc.poll()
+            if code is None:
+                continue
+            if now - child.started_at > RAN_A_WHILE_S:
+                child.restarts = 0  # it ran a while: a fresh failure
+            if not self.served and child.restarts + 1 >= STARTUP_ATTEMPTS:
+                return (
+                    f"{child.name} exited with code {code} {child.restarts + 1} "
+                    "times in a row before berth served: giving up (its own log "
+                    "above says why)"
                 )
-                time.sleep(backoff)
-                child.restarts += 1
-                child.start()
-            time.sleep(poll_s)
+            backoff = RESTART_BACKOFF_S[min(child.restarts, len(RESTART_BACKOFF_S) - 1)]
+            log.error(
+                "%s exited with code %s; restarting in %.1f s",
+                child.name,
+                code,
+                backoff,
+            )
+            child.restart_at = now + backoff
+        return None
 
     def stop(self) -> int:
         """Stop in reverse start order; returns the worst exit code."""

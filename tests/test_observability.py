@@ -13,7 +13,7 @@ import pytest
 
 from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
 from tests.otlp import ReceivedSpan, Receiver
-from tests.stack import Stack
+from tests.stack import Stack, free_ports
 
 CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
 CLIENT_SPAN = "b7ad6b7169203331"
@@ -107,6 +107,38 @@ def test_one_request_is_one_connected_trace(traced: tuple[Stack, Receiver]) -> N
     assert stages == {"engine.copy_in", "engine.compute", "engine.copy_out"}
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="gateway/service.py's Stream (and kserve.py's ModelInfer and "
+    "ModelStreamInfer) never enter server_span: the caller's traceparent is "
+    "dropped and the batcher starts a new trace",
+)
+def test_a_stream_call_joins_the_callers_trace(
+    traced: tuple[Stack, Receiver],
+) -> None:
+    """The bidi Stream carries the caller's traceparent on as Embed does."""
+    stack, receiver = traced
+    trace_id = "2af7651916cd43dd8448eb211c80319c"
+    metadata = (("traceparent", f"00-{trace_id}-{CLIENT_SPAN}-01"),)
+    with grpc.insecure_channel(stack.gateway) as channel:
+        stub = berth_pb2_grpc.BerthStub(channel)
+        request = berth_pb2.StreamRequest(
+            embed=berth_pb2.EmbedRequest(model="minilm", texts=["streamed, traced"])
+        )
+        (reply,) = stub.Stream(iter([request]), metadata=metadata, timeout=30)
+        assert reply.WhichOneof("response") == "embed"
+
+    def queued() -> list[ReceivedSpan]:
+        spans = receiver.snapshot()
+        return [s for s in spans if s.name == "batcher.queue"]
+
+    wait_for(lambda: any(s.trace_id == trace_id for s in queued()), timeout=10)
+    in_request = [s for s in receiver.snapshot() if s.trace_id == trace_id]
+    assert any(s.name == "batcher.queue" for s in in_request), in_request
+    root = [s for s in in_request if s.parent_id == CLIENT_SPAN]
+    assert len(root) == 1 and root[0].service == "gateway", in_request
+
+
 def test_errors_mark_the_span(traced: tuple[Stack, Receiver]) -> None:
     stack, receiver = traced
     trace_id = "1af7651916cd43dd8448eb211c80319c"
@@ -121,6 +153,37 @@ def test_errors_mark_the_span(traced: tuple[Stack, Receiver]) -> None:
             )
     spans = wait_for(lambda: [s for s in receiver.snapshot() if s.trace_id == trace_id])
     assert spans and any(s.status_code == 2 for s in spans)  # STATUS_CODE_ERROR
+
+
+def test_an_unreachable_collector_stalls_no_request(repository: Path) -> None:
+    """Spans for a collector that refuses connections are dropped in the
+    background: calls answer at their usual speed and berth stops cleanly."""
+    (dead,) = free_ports(1)
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{dead}",
+        "OTEL_EXPORTER_OTLP_INSECURE": "true",
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+    }
+    stack = Stack(repository, env=env)
+    try:
+        stack.wait_serving()
+        metadata = (("traceparent", f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"),)
+        with grpc.insecure_channel(stack.gateway) as channel:
+            stub = berth_pb2_grpc.BerthStub(channel)
+            for i in range(10):
+                start = time.monotonic()
+                reply = stub.Embed(
+                    berth_pb2.EmbedRequest(model="minilm", texts=[f"untraced {i}"]),
+                    metadata=metadata,
+                    timeout=10,
+                )
+                assert len(reply.embeddings) == 1 and not reply.degraded
+                assert time.monotonic() - start < 2.0
+                time.sleep(0.1)  # exports (failing) in between
+    finally:
+        code = stack.stop()
+    assert code == 0, stack.logs()
+    assert "Failed to export" in stack.logs()  # it did try
 
 
 def scrape(url: str) -> dict[str, float]:

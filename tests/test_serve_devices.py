@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from services.cli import engine_devices, parse_gpu_list
@@ -57,3 +59,19 @@ def test_this_machine(monkeypatch: pytest.MonkeyPatch) -> None:
     cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
     devices = engine_devices()  # MIG instances count one each: CUDA shows one
     assert len(devices) >= cuda and (not devices) == (not cuda)
+
+
+def test_cpu_defaults_count_the_cpus_this_process_may_use() -> None:
+    """In a cpuset (a container's --cpuset-cpus, Kubernetes' static CPU
+    manager) os.cpu_count() is the host's: serve sizes by the CPUs it has."""
+    from services.cli import cpus_available, default_engines, default_gateways
+
+    allowed = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {min(allowed)})
+        assert cpus_available() == 1
+        assert default_engines(0) == 1
+        assert default_gateways(1) == 1
+    finally:
+        os.sched_setaffinity(0, allowed)
+    assert cpus_available() == len(allowed)
