@@ -28,12 +28,13 @@ from importlib import metadata
 import grpc
 import numpy as np
 
-from gateway.service import Gateway, Model
+from gateway.service import TRACER, Gateway, Model
 from services.errors import BerthError, InvalidInput, UnknownModel, abort
 from services.proto.berth.v1 import berth_pb2
 from services.proto.inference import grpc_service_pb2 as pb
 from services.proto.inference import grpc_service_pb2_grpc as pb_grpc
 from services.streams import answer_in_order, until_unreadable
+from services.telemetry import server_span
 
 log = logging.getLogger("berth.gateway")
 
@@ -470,36 +471,50 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(
         self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInferResponse:
-        try:
-            return await self.kserve.infer(request, context.time_remaining())
-        except BerthError as exc:
-            await abort(context, exc)
-            raise
+        with server_span(
+            TRACER,
+            f"{SERVICE_NAME}/ModelInfer",
+            context.invocation_metadata() or (),
+            {"berth.model": request.model_name},
+        ):
+            try:
+                return await self.kserve.infer(request, context.time_remaining())
+            except BerthError as exc:
+                await abort(context, exc)
+                raise
 
     async def ModelStreamInfer(
         self,
         request_iterator: AsyncIterator[pb.ModelInferRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        metadata = context.invocation_metadata() or ()
+
         async def answer(request: pb.ModelInferRequest) -> pb.ModelStreamInferResponse:
-            try:
-                response = await self.kserve.infer(request, context.time_remaining())
-                return pb.ModelStreamInferResponse(infer_response=response)
-            except Exception as exc:
-                # The stream stays open; the id lets the caller match the error.
-                # Any failure is answered: a request left unanswered would
-                # keep its caller waiting for good.
-                if isinstance(exc, BerthError):
-                    message = f"{exc.code.name}: {exc}"
-                else:
-                    log.exception("ModelStreamInfer request %r failed", request.id)
-                    message = f"INTERNAL: unexpected {type(exc).__name__}: {exc}"
-                failed = pb.ModelInferResponse(
-                    model_name=request.model_name, id=request.id
-                )
-                return pb.ModelStreamInferResponse(
-                    error_message=message, infer_response=failed
-                )
+            # A span per request, under the caller's trace (see berth's Stream).
+            attributes = {"berth.model": request.model_name}
+            name = f"{SERVICE_NAME}/ModelStreamInfer"
+            with server_span(TRACER, name, metadata, attributes):
+                try:
+                    response = await self.kserve.infer(
+                        request, context.time_remaining()
+                    )
+                    return pb.ModelStreamInferResponse(infer_response=response)
+                except Exception as exc:
+                    # The stream stays open; the id lets the caller match the error.
+                    # Any failure is answered: a request left unanswered would
+                    # keep its caller waiting for good.
+                    if isinstance(exc, BerthError):
+                        message = f"{exc.code.name}: {exc}"
+                    else:
+                        log.exception("ModelStreamInfer request %r failed", request.id)
+                        message = f"INTERNAL: unexpected {type(exc).__name__}: {exc}"
+                    failed = pb.ModelInferResponse(
+                        model_name=request.model_name, id=request.id
+                    )
+                    return pb.ModelStreamInferResponse(
+                        error_message=message, infer_response=failed
+                    )
 
         unreadable: list[BerthError] = []
         requests = until_unreadable(request_iterator, unreadable)

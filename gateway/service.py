@@ -541,38 +541,44 @@ class BerthService(berth_pb2_grpc.BerthServicer):
         request_iterator: AsyncIterator[berth_pb2.StreamRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[berth_pb2.StreamResponse]:
+        metadata = context.invocation_metadata() or ()
+
         async def answer(request: berth_pb2.StreamRequest) -> berth_pb2.StreamResponse:
             kind = request.WhichOneof("request")
             inner = request.embed if kind == "embed" else request.classify
-            try:
-                if kind == "embed":
-                    e = await self.gateway.counted(
-                        "stream",
-                        inner.model,
-                        self.gateway.embed(request.embed, context.time_remaining()),
+            # A span per request, under the caller's trace (the stream's
+            # metadata), so the hops behind it join that trace.
+            attributes = {"berth.model": inner.model}
+            with server_span(TRACER, "berth.v1.Berth/Stream", metadata, attributes):
+                try:
+                    if kind == "embed":
+                        e = await self.gateway.counted(
+                            "stream",
+                            inner.model,
+                            self.gateway.embed(request.embed, context.time_remaining()),
+                        )
+                        return berth_pb2.StreamResponse(embed=e)
+                    if kind == "classify":
+                        c = await self.gateway.counted(
+                            "stream",
+                            inner.model,
+                            self.gateway.classify(
+                                request.classify, context.time_remaining()
+                            ),
+                        )
+                        return berth_pb2.StreamResponse(classify=c)
+                    raise InvalidInput("StreamRequest holds neither embed nor classify")
+                except Exception as exc:  # answered, and the stream stays open
+                    if not isinstance(exc, BerthError):  # a bug: never left unanswered
+                        log.exception("Stream request %r failed", inner.request_id)
+                        exc = BerthError(f"unexpected {type(exc).__name__}: {exc}")
+                    return berth_pb2.StreamResponse(
+                        error=berth_pb2.StreamError(
+                            request_id=inner.request_id,
+                            code=exc.code.name,
+                            message=str(exc),
+                        )
                     )
-                    return berth_pb2.StreamResponse(embed=e)
-                if kind == "classify":
-                    c = await self.gateway.counted(
-                        "stream",
-                        inner.model,
-                        self.gateway.classify(
-                            request.classify, context.time_remaining()
-                        ),
-                    )
-                    return berth_pb2.StreamResponse(classify=c)
-                raise InvalidInput("StreamRequest holds neither embed nor classify")
-            except Exception as exc:  # answered, and the stream stays open
-                if not isinstance(exc, BerthError):  # a bug: never left unanswered
-                    log.exception("Stream request %r failed", inner.request_id)
-                    exc = BerthError(f"unexpected {type(exc).__name__}: {exc}")
-                return berth_pb2.StreamResponse(
-                    error=berth_pb2.StreamError(
-                        request_id=inner.request_id,
-                        code=exc.code.name,
-                        message=str(exc),
-                    )
-                )
 
         unreadable: list[BerthError] = []
         requests = until_unreadable(request_iterator, unreadable)

@@ -107,12 +107,6 @@ def test_one_request_is_one_connected_trace(traced: tuple[Stack, Receiver]) -> N
     assert stages == {"engine.copy_in", "engine.compute", "engine.copy_out"}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="gateway/service.py's Stream (and kserve.py's ModelInfer and "
-    "ModelStreamInfer) never enter server_span: the caller's traceparent is "
-    "dropped and the batcher starts a new trace",
-)
 def test_a_stream_call_joins_the_callers_trace(
     traced: tuple[Stack, Receiver],
 ) -> None:
