@@ -8,7 +8,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -180,3 +182,30 @@ def pid_listening(module: str, port: int) -> int:
         if wanted and args[args.index("--port") + 1] == str(port):
             return int(proc.name)
     raise LookupError(f"no {module} process on port {port}")
+
+
+def stream_raw(
+    address: str,
+    method: str,
+    messages: list[bytes],
+    deserializer: Callable[[bytes], Any],
+    timeout: float = 20,
+) -> tuple[list[Any], grpc.RpcError | None, float]:
+    """Raw serialized messages over a bidi stream (one may be malformed on
+    purpose): the answers, the error the stream ended with (None: OK), and
+    the seconds it took."""
+    answers = []
+    error = None
+    t0 = time.monotonic()
+    with grpc.insecure_channel(address) as channel:
+        stream = channel.stream_stream(
+            method,
+            request_serializer=lambda raw: raw,
+            response_deserializer=deserializer,
+        )
+        try:
+            for response in stream(iter(messages), timeout=timeout):
+                answers.append(response)
+        except grpc.RpcError as exc:
+            error = exc
+    return answers, error, time.monotonic() - t0

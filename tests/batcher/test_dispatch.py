@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+from collections.abc import Callable
 
 import grpc
 import numpy as np
@@ -228,6 +229,34 @@ def test_a_batch_its_engine_does_not_answer_in_time_fails_clearly(
     assert failures == 1 and ejected_until > 0
 
 
+async def two_schedulers(
+    entries: tuple[ModelEntry, ModelEntry],
+    config: SchedulerConfig,
+    submit: Callable[[list[ModelScheduler]], None],
+    done: Callable[[], bool],
+    prepare: Callable[[EnginePool], None] | None = None,
+) -> None:
+    """Two models' schedulers sharing one engine (2 slots) behind one pool:
+    ``submit`` their work in one loop pass, wait until ``done``, then stop
+    everything."""
+    _, server, address = engine(*entries)
+    pool = EnginePool([address], slots_per_engine=2)
+    if prepare is not None:
+        prepare(pool)
+    schedulers = [ModelScheduler(e, pool, config) for e in entries]
+    schedulers[1].start()
+    await serving(schedulers[0], pool, server)
+    submit(schedulers)
+    try:
+        while not done():
+            await asyncio.sleep(0.01)
+    finally:
+        for scheduler in schedulers:
+            await scheduler.drain()
+        await pool.close()
+        await server.stop(None)
+
+
 def two_models_at_once(
     tiny: ModelEntry, same_ids: bool = False
 ) -> tuple[list[ModelEntry], dict[str, list[internal_pb2.SequenceResult]]]:
@@ -237,30 +266,26 @@ def two_models_at_once(
     mean = dataclasses.replace(tiny, name="mean", buckets=BUCKETS)
     cls = dataclasses.replace(tiny, name="cls", pooling="cls", buckets=BUCKETS)
 
-    async def scenario() -> dict[str, list[internal_pb2.SequenceResult]]:
-        _, server, address = engine(mean, cls)
-        pool = EnginePool([address], slots_per_engine=2)
-        if same_ids:
-            pool.next_batch_id = lambda: 1  # type: ignore[method-assign]
-        config = SchedulerConfig(max_delay_s=0.001, batch_timeout_s=5)
-        schedulers = [ModelScheduler(e, pool, config) for e in (mean, cls)]
-        schedulers[1].start()
-        await serving(schedulers[0], pool, server)
-        answers: dict[str, list[internal_pb2.SequenceResult]] = {"mean": [], "cls": []}
+    answers: dict[str, list[internal_pb2.SequenceResult]] = {"mean": [], "cls": []}
+
+    def submit(schedulers: list[ModelScheduler]) -> None:
         for scheduler in schedulers:
             submitted = sequences(scheduler.name, TWO_LENGTHS)
             scheduler.submit(submitted, answers[scheduler.name].append)
-        try:
-            while sum(map(len, answers.values())) < 2 * len(TWO_LENGTHS):
-                await asyncio.sleep(0.01)
-        finally:
-            for scheduler in schedulers:
-                await scheduler.drain()
-            await pool.close()
-            await server.stop(None)
-        return answers
 
-    return [mean, cls], asyncio.run(scenario())
+    def one_id(pool: EnginePool) -> None:
+        pool.next_batch_id = lambda: 1  # type: ignore[method-assign]
+
+    asyncio.run(
+        two_schedulers(
+            (mean, cls),
+            SchedulerConfig(max_delay_s=0.001, batch_timeout_s=5),
+            submit,
+            lambda: sum(map(len, answers.values())) >= 2 * len(TWO_LENGTHS),
+            one_id if same_ids else None,
+        )
+    )
+    return [mean, cls], answers
 
 
 TWO_LENGTHS = [5, 7]  # one bucket (8): one batch per model
@@ -393,30 +418,19 @@ def test_a_flooded_model_does_not_starve_another_on_the_same_engine(
     flooded = dataclasses.replace(tiny, name="flooded", buckets=BUCKETS)
     other = dataclasses.replace(tiny, name="other", buckets=BUCKETS)
 
-    async def scenario() -> list[str]:
-        _, server, address = engine(flooded, other)
-        pool = EnginePool([address], slots_per_engine=2)
-        config = SchedulerConfig(max_delay_s=0.001, max_batch=4)
-        schedulers = [ModelScheduler(e, pool, config) for e in (flooded, other)]
-        schedulers[1].start()
-        await serving(schedulers[0], pool, server)
-        order: list[str] = []
+    order: list[str] = []
+
+    def submit(schedulers: list[ModelScheduler]) -> None:
         for scheduler, n in zip(schedulers, (400, 1), strict=True):
             submitted = sequences(scheduler.name, [5] * n)
             scheduler.submit(
                 submitted, lambda _, name=scheduler.name: order.append(name)
             )
-        try:
-            while len(order) < 401:
-                await asyncio.sleep(0.01)
-        finally:
-            for scheduler in schedulers:
-                await scheduler.drain()
-            await pool.close()
-            await server.stop(None)
-        return order
 
-    order = asyncio.run(scenario())
+    config = SchedulerConfig(max_delay_s=0.001, max_batch=4)
+    asyncio.run(
+        two_schedulers((flooded, other), config, submit, lambda: len(order) >= 401)
+    )
     ahead = order.index("other")
     print(f"the other model's sequence answered after {ahead} of 400 flooded ones")
     assert ahead < 100
