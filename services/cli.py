@@ -79,6 +79,28 @@ def engine_devices() -> list[str]:
     return parse_gpu_list(listing) or [str(i) for i in range(_gpu_count())]
 
 
+def serve_devices(device: str) -> list[str]:
+    """CUDA_VISIBLE_DEVICES for each of serve's engines, per --device: none
+    for cpu, every GPU or MIG instance for auto or cuda (engine_devices), the
+    N-th of them for cuda:N. Raises ValueError naming what exists."""
+    if device == "cpu":
+        return []
+    devices = engine_devices()
+    if device == "auto" or (device == "cuda" and devices):
+        return devices
+    kind, _, index = device.partition(":")
+    if device == "cuda":
+        index = "0"  # no GPU: the error below says so
+    if kind != "cuda" or not index.isdigit():
+        raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, not {device!r}")
+    if int(index) >= len(devices):
+        raise ValueError(
+            f"--device {device}: this machine shows {len(devices)} GPU(s) or MIG "
+            f"instance(s){': ' + ', '.join(devices) if devices else ''}"
+        )
+    return [devices[int(index)]]
+
+
 # ---- berth serve ------------------------------------------------------------
 
 
@@ -192,7 +214,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # Only an empty repository gets the defaults: a user's own entries,
         # whatever their names, are never rewritten.
         build_models(repo)
-    devices = [] if args.device == "cpu" else engine_devices()
+    try:
+        devices = serve_devices(args.device)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
     gpus = len(devices)
     engines = args.engines or default_engines(gpus)
     common = ["--model-repository", str(repo)]
@@ -224,7 +250,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     "--backend",
                     args.backend,
                     "--device",
-                    "cuda:0" if gpus else args.device,
+                    "cuda:0" if gpus else "cpu",
                     "--metrics-port",
                     metrics_port(2 + i),
                     *("--chaos",) * args.chaos,
@@ -490,7 +516,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(serve, "engine-port", DEFAULT_ENGINE_PORT, "first engine port")
     add_flag(serve, "backend", "torch", "engine backend")
     add_flag(
-        serve, "device", "auto", "auto: an engine per GPU or MIG instance, else cpu"
+        serve,
+        "device",
+        "auto",
+        "auto or cuda: an engine per GPU or MIG instance (auto: else cpu); "
+        "cuda:N: the N-th only",
     )
     add_flag(serve, "build-models", True, "build the default models if missing")
     add_flag(

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from services.cli import engine_devices, parse_gpu_list
+from services.cli import engine_devices, parse_gpu_list, serve_devices
 
 TWO_GPUS = """\
 GPU 0: NVIDIA H200 (UUID: GPU-3f2a9c1e-0000-1111-2222-333344445555)
@@ -50,6 +50,25 @@ def test_the_callers_visible_devices_are_split_not_renumbered(
     assert engine_devices() == ["MIG-1111aaaa", "MIG-2222bbbb"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # hidden: the CPU
     assert engine_devices() == []
+
+
+def test_device_picks_one_of_the_visible_gpus(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--device cuda:N serves on the N-th GPU this machine shows (of the
+    caller's CUDA_VISIBLE_DEVICES when set), not on all of them."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert serve_devices("cuda:1") == ["3"]
+    assert serve_devices("cuda") == serve_devices("auto") == ["2", "3"]
+    assert serve_devices("cpu") == []
+    with pytest.raises(ValueError, match="shows 2 GPU"):
+        serve_devices("cuda:2")
+    with pytest.raises(ValueError, match="cuda:N, not 'gpu1'"):
+        serve_devices("gpu1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU: cuda is an error
+    assert serve_devices("auto") == []
+    with pytest.raises(ValueError, match="shows 0 GPU"):
+        serve_devices("cuda")
 
 
 def test_this_machine(monkeypatch: pytest.MonkeyPatch) -> None:
