@@ -29,11 +29,17 @@ import grpc
 import numpy as np
 
 from gateway.service import TRACER, Gateway, Model
-from services.errors import BerthError, InvalidInput, UnknownModel, abort
+from services.errors import (
+    BerthError,
+    InvalidInput,
+    UnknownModel,
+    abort,
+    as_berth_error,
+)
 from services.proto.berth.v1 import berth_pb2
 from services.proto.inference import grpc_service_pb2 as pb
 from services.proto.inference import grpc_service_pb2_grpc as pb_grpc
-from services.streams import answer_in_order, until_unreadable
+from services.streams import serve_stream
 from services.telemetry import server_span
 
 log = logging.getLogger("berth.gateway")
@@ -502,23 +508,16 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
                     return pb.ModelStreamInferResponse(infer_response=response)
                 except Exception as exc:
                     # The stream stays open; the id lets the caller match the error.
-                    # Any failure is answered: a request left unanswered would
-                    # keep its caller waiting for good.
-                    if isinstance(exc, BerthError):
-                        message = f"{exc.code.name}: {exc}"
-                    else:
-                        log.exception("ModelStreamInfer request %r failed", request.id)
-                        message = f"INTERNAL: unexpected {type(exc).__name__}: {exc}"
+                    what = f"ModelStreamInfer request {request.id!r}"
+                    error = as_berth_error(exc, log, what)
                     failed = pb.ModelInferResponse(
                         model_name=request.model_name, id=request.id
                     )
                     return pb.ModelStreamInferResponse(
-                        error_message=message, infer_response=failed
+                        error_message=f"{error.code.name}: {error}",
+                        infer_response=failed,
                     )
 
-        unreadable: list[BerthError] = []
-        requests = until_unreadable(request_iterator, unreadable)
-        async for response in answer_in_order(requests, answer):
+        responses = serve_stream(request_iterator, answer, context, in_order=True)
+        async for response in responses:
             yield response
-        if unreadable:
-            await abort(context, unreadable[0])

@@ -28,10 +28,11 @@ from services.errors import (
     Unavailable,
     UnknownModel,
     abort,
+    as_berth_error,
 )
 from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
 from services.repository import ModelEntry
-from services.streams import answer_concurrently, until_unreadable
+from services.streams import serve_stream
 from services.telemetry import inject, server_span, span_if_recording, tracer
 
 log = logging.getLogger("berth.gateway")
@@ -183,14 +184,15 @@ class Gateway:
         self.open_circuits: set[str] = set()
         self._tokenize_pool = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
 
-    def model(self, name: str, task: str) -> Model:
+    def model(self, name: str, task: str | None = None) -> Model:
+        """The model named, for a call of this task (any task: None)."""
         model = self.models.get(name)
         if model is None:
             raise InvalidInput(
                 f"unknown model {name!r}; this gateway serves "
                 f"{', '.join(sorted(self.models))}"
             )
-        if model.entry.task != task:
+        if task is not None and model.entry.task != task:
             verb = "Embed" if model.entry.task == "embed" else "Classify"
             raise InvalidInput(
                 f"model {name!r} is a {model.entry.task} model: call {verb}"
@@ -438,12 +440,7 @@ class Gateway:
         """Ids and tokens per text. A long call is tokenized on the tokenizer
         threads, as for Embed: ~4 M characters take seconds, and on the event
         loop they would stall every other request of this gateway."""
-        model = self.models.get(request.model)
-        if model is None:
-            raise InvalidInput(
-                f"unknown model {request.model!r}; this gateway serves "
-                f"{', '.join(sorted(self.models))}"
-            )
+        model = self.model(request.model)
         texts = list(request.texts)
         if sum(map(len, texts)) <= INLINE_TOKENIZE_CHARS:
             return tokenize_response(model, texts)
@@ -453,11 +450,8 @@ class Gateway:
             )
 
     def describe(self, name: str) -> berth_pb2.ModelInfoResponse:
-        if name and name not in self.models:
-            raise InvalidInput(
-                f"unknown model {name!r}; this gateway serves "
-                f"{', '.join(sorted(self.models))}"
-            )
+        if name:
+            self.model(name)  # raises, naming the models served
         return berth_pb2.ModelInfoResponse(
             models=[
                 berth_pb2.ModelDescription(
@@ -569,20 +563,15 @@ class BerthService(berth_pb2_grpc.BerthServicer):
                         return berth_pb2.StreamResponse(classify=c)
                     raise InvalidInput("StreamRequest holds neither embed nor classify")
                 except Exception as exc:  # answered, and the stream stays open
-                    if not isinstance(exc, BerthError):  # a bug: never left unanswered
-                        log.exception("Stream request %r failed", inner.request_id)
-                        exc = BerthError(f"unexpected {type(exc).__name__}: {exc}")
+                    what = f"Stream request {inner.request_id!r}"
+                    error = as_berth_error(exc, log, what)
                     return berth_pb2.StreamResponse(
                         error=berth_pb2.StreamError(
                             request_id=inner.request_id,
-                            code=exc.code.name,
-                            message=str(exc),
+                            code=error.code.name,
+                            message=str(error),
                         )
                     )
 
-        unreadable: list[BerthError] = []
-        requests = until_unreadable(request_iterator, unreadable)
-        async for response in answer_concurrently(requests, answer):
+        async for response in serve_stream(request_iterator, answer, context):
             yield response
-        if unreadable:
-            await abort(context, unreadable[0])

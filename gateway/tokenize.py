@@ -60,11 +60,7 @@ class TextEncoder:
                 raise InvalidInput(f"texts[{i}] is empty: every text needs characters")
             if len(text) > self.max_chars:
                 if not truncate:
-                    raise InvalidInput(
-                        f"texts[{i}] has {len(text)} characters, over the limit of "
-                        f"{self.max_chars} for model {self.model!r}; shorten it or "
-                        "set options.truncate"
-                    )
+                    raise self._too_long(i, text, "shorten it or set options.truncate")
                 text = text[: self.max_chars]
             prepared.append(text)
         if len(prepared) == 1:  # encode_batch's thread pool costs more than it saves
@@ -93,11 +89,15 @@ class TextEncoder:
         self.check_count(texts)
         for i, text in enumerate(texts):
             if len(text) > self.max_chars:
-                raise InvalidInput(
-                    f"texts[{i}] has {len(text)} characters, over the limit of "
-                    f"{self.max_chars} for model {self.model!r}; shorten it"
-                )
+                raise self._too_long(i, text, "shorten it")
         return [
             (e.ids, e.tokens)
             for e in self.tokenizer.encode_batch(texts, add_special_tokens=True)
         ]
+
+    def _too_long(self, i: int, text: str, advice: str) -> InvalidInput:
+        """texts[i] is over the character guard (refused before tokenizing)."""
+        return InvalidInput(
+            f"texts[{i}] has {len(text)} characters, over the limit of "
+            f"{self.max_chars} for model {self.model!r}; {advice}"
+        )

@@ -6,6 +6,8 @@ message that says what was wrong and which setting to change.
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 
 
@@ -94,3 +96,13 @@ async def abort(context: grpc.aio.ServicerContext, error: BerthError) -> None:
             (("grpc-retry-pushback-ms", str(error.retry_after_ms)),)
         )
     await context.abort(error.code, str(error))
+
+
+def as_berth_error(exc: Exception, log: logging.Logger, what: str) -> BerthError:
+    """The error to answer ``what`` with: a BerthError as it is; any other
+    exception is a bug, logged with its traceback and answered INTERNAL, so
+    that no caller is left unanswered."""
+    if isinstance(exc, BerthError):
+        return exc
+    log.exception("%s failed", what)
+    return BerthError(f"unexpected {type(exc).__name__}: {exc}")

@@ -20,7 +20,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from services.channels import aio_channel
-from services.errors import BerthError, InvalidInput, Unavailable
+from services.errors import BerthError, InvalidInput, Unavailable, abort
 
 log = logging.getLogger("berth.streams")
 
@@ -258,3 +258,20 @@ async def until_unreadable(
                 f"{n} before it are answered, and the stream ends here"
             )
         )
+
+
+async def serve_stream(
+    requests: AsyncIterator[Request],
+    answer: Callable[[Request], Awaitable[Response]],
+    context: grpc.aio.ServicerContext,
+    in_order: bool = False,
+) -> AsyncIterator[Response]:
+    """A server stream's answers (:func:`answer_concurrently`, or
+    :func:`answer_in_order`); a request that cannot be read ends the stream
+    with its error once those before it are answered (:func:`until_unreadable`)."""
+    unreadable: list[BerthError] = []
+    serve = answer_in_order if in_order else answer_concurrently
+    async for response in serve(until_unreadable(requests, unreadable), answer):
+        yield response
+    if unreadable:
+        await abort(context, unreadable[0])
