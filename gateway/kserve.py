@@ -14,6 +14,11 @@ tritonclient reads), or typed contents when the request sets the parameter
 ``binary_data_output`` (or every requested output's ``binary_data``) to
 false. Request parameters ``truncate`` and ``normalize`` map onto berth's
 options. Requests share the gateway's admission bound and response cache.
+
+The classification extension works as in Triton: a requested FP32 output
+with the parameter ``classification`` = k (tritonclient's ``class_count``)
+comes back as BYTES [N, min(k, width)], each row's k highest entries as
+"score:index:label" (no label part for EMBEDDING, which has none).
 """
 
 from __future__ import annotations
@@ -47,7 +52,13 @@ log = logging.getLogger("berth.gateway")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 VERSION = "1"  # every berth model has exactly one version
 TEXT, EMBEDDING, PROBABILITIES, LABEL = "TEXT", "EMBEDDING", "PROBABILITIES", "LABEL"
-EXTENSIONS = ["model_configuration", "statistics", "binary_tensor_data", "parameters"]
+EXTENSIONS = [
+    "classification",
+    "model_configuration",
+    "statistics",
+    "binary_tensor_data",
+    "parameters",
+]
 # Request parameters tritonclient may set that change nothing here.
 IGNORED_PARAMETERS = {"priority"}
 CONTRACT = "TEXT (BYTES, shape [N], one text per element)"
@@ -121,6 +132,45 @@ def join_bytes(items: list[bytes]) -> bytes:
     return b"".join(struct.pack("<I", len(b)) + b for b in items)
 
 
+def class_count(output: str, datatype: str, value: pb.InferParameter) -> int:
+    """The k of an output's ``classification`` parameter, refused where Triton
+    refuses it (src/grpc/grpc_utils.cc, src/classification.cc); raises
+    InvalidInput."""
+    kind = value.WhichOneof("parameter_choice")
+    if kind != "int64_param":
+        got = f"{kind} {getattr(value, kind)!r}" if kind else "nothing"
+        raise InvalidInput(
+            f"output {output!r}: parameter 'classification' must be an "
+            f"int64_param class count, got {got}"
+        )
+    if value.int64_param <= 0:
+        raise InvalidInput(
+            f"output {output!r}: classification {value.int64_param} asks for no "
+            "classes; give a class count of at least 1"
+        )
+    if datatype == "BYTES":
+        raise InvalidInput(
+            f"output {output!r}: class result not available for output due to "
+            f"unsupported type 'BYTES'; ask for classification on {PROBABILITIES}"
+        )
+    return value.int64_param
+
+
+def top_classes(values: np.ndarray, k: int, labels: list[str]) -> list[bytes]:
+    """Each row's k highest entries, best first, as Triton writes them
+    (server src/classification.cc): "score:index:label", the score as C's
+    ``%f`` (std::to_string), no label part where the index has none. Ties go
+    by index, where Triton's std::sort leaves them in no set order."""
+    order = np.argsort(-values, axis=1, kind="stable")[:, :k]
+    items = []
+    for row, indices in zip(values, order, strict=True):
+        for i in indices:
+            item = f"{float(row[i]):f}:{i}"
+            label = labels[i] if i < len(labels) else ""
+            items.append((f"{item}:{label}" if label else item).encode())
+    return items
+
+
 def flag(name: str, value: pb.InferParameter) -> bool:
     """A boolean parameter: bool_param, or the strings 'true'/'false'."""
     kind = value.WhichOneof("parameter_choice")
@@ -139,6 +189,7 @@ class Call:
     outputs: list[tuple[str, str, list[int]]]
     binary: bool
     timeout_s: float | None
+    classes: dict[str, int]  # output name -> k of its top-k classification
 
 
 def parse_call(
@@ -167,27 +218,34 @@ def parse_call(
                 f"{model.entry.name!r}; it takes {known}, binary_data_output"
             )
     available = {o[0]: o for o in outputs_of(model)}
-    outputs, per_output = [], set()
+    outputs, per_output, classes = [], set(), {}
     for wanted in request.outputs:
         if wanted.name not in available:
             raise InvalidInput(
                 f"model {model.entry.name!r} has no output {wanted.name!r}; "
                 f"its outputs are {', '.join(available)}"
             )
+        output = available[wanted.name]
         for key, value in wanted.parameters.items():
-            if key != "binary_data":
+            if key == "binary_data":
+                per_output.add(flag(key, value))
+            elif key == "classification":
+                classes[wanted.name] = class_count(wanted.name, output[1], value)
+            else:
                 raise InvalidInput(
-                    f"output parameter {key!r} is not supported; use binary_data"
+                    f"output parameter {key!r} is not supported; use binary_data "
+                    "or classification"
                 )
-            per_output.add(flag(key, value))
-        outputs.append(available[wanted.name])
+        outputs.append(output)
     if len(per_output) > 1:
         raise InvalidInput(
             "set binary_data the same on every requested output: raw and typed "
             "outputs cannot be mixed in one response"
         )
     binary = per_output.pop() if per_output else binary
-    return Call(options, outputs or list(available.values()), binary, timeout_s)
+    return Call(
+        options, outputs or list(available.values()), binary, timeout_s, classes
+    )
 
 
 def shape_outputs(
@@ -199,15 +257,9 @@ def shape_outputs(
     )
     n = len(rows)
     for name, datatype, shape in call.outputs:
-        tensor = response.outputs.add(
-            name=name, datatype=datatype, shape=[n, *shape[1:]]
-        )
         if name == LABEL:
             labels = [model.labels[i].encode() for i in np.argmax(rows, axis=1)]
-            if call.binary:
-                response.raw_output_contents.append(join_bytes(labels))
-            else:
-                tensor.contents.bytes_contents.extend(labels)
+            add_bytes(response, name, [n], labels, call.binary)
             continue
         values = rows
         if name == EMBEDDING:
@@ -220,11 +272,35 @@ def shape_outputs(
                 norms = np.linalg.norm(rows, axis=1, keepdims=True)
                 values = rows / np.maximum(norms, 1e-12)
         values = np.ascontiguousarray(values, dtype="<f4")
+        if name in call.classes:  # ranks the FP32 values the output would carry
+            k = min(call.classes[name], values.shape[1])
+            labels = model.labels if name == PROBABILITIES else []
+            items = top_classes(values, k, labels)
+            add_bytes(response, name, [n, k], items, call.binary)
+            continue
+        tensor = response.outputs.add(
+            name=name, datatype=datatype, shape=[n, *shape[1:]]
+        )
         if call.binary:
             response.raw_output_contents.append(values.tobytes())
         else:
             tensor.contents.fp32_contents.extend(values.ravel().tolist())
     return response
+
+
+def add_bytes(
+    response: pb.ModelInferResponse,
+    name: str,
+    shape: list[int],
+    items: list[bytes],
+    binary: bool,
+) -> None:
+    """A BYTES output: length-prefixed in raw_output_contents, or typed."""
+    tensor = response.outputs.add(name=name, datatype="BYTES", shape=shape)
+    if binary:
+        response.raw_output_contents.append(join_bytes(items))
+    else:
+        tensor.contents.bytes_contents.extend(items)
 
 
 def duration(count: int, ns: int) -> pb.StatisticDuration:

@@ -8,9 +8,11 @@ protobuf names, and one process can hold only one of them.
 from __future__ import annotations
 
 import queue
+import re
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,6 +22,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
+from services.repository import load_entry
 from tests.stack import Stack, health, stream_raw
 from tests.texts import VARIED
 
@@ -48,6 +51,7 @@ def test_server_and_model_metadata(tc: triton.InferenceServerClient) -> None:
     assert tc.is_server_ready()
     meta = tc.get_server_metadata(as_json=True)
     assert meta["name"] == "berth" and "statistics" in meta["extensions"]
+    assert "classification" in meta["extensions"]
     assert tc.is_model_ready("minilm") and tc.is_model_ready("intent")
     assert not tc.is_model_ready("nope")
     model = tc.get_model_metadata("minilm", as_json=True)
@@ -135,6 +139,155 @@ def test_typed_contents_in_and_out(stack: Stack) -> None:
     probs, labels = response.outputs
     assert list(probs.shape) == [2, 157] and len(probs.contents.fp32_contents) == 314
     assert list(labels.contents.bytes_contents) == [b"alarm", b"flip_coin"]
+
+
+def top_k(values: np.ndarray, k: int, labels: list[str] | None = None) -> Any:
+    """Triton's classification strings for each row: the k highest entries,
+    ties by index, as "score:index[:label]" with the score as C's %f."""
+    rows = []
+    for row in values:
+        order = sorted(range(len(row)), key=lambda i: -row[i])[:k]
+        rows.append(
+            [
+                (
+                    f"{float(row[i]):f}:{i}" + (f":{labels[i]}" if labels else "")
+                ).encode()
+                for i in order
+            ]
+        )
+    return np.array(rows, dtype=object)
+
+
+@pytest.fixture(scope="module")
+def intent_labels(repository: Path) -> list[str]:
+    return load_entry(repository / "intent").label_names()
+
+
+def test_classification_gives_triton_top_k_strings(
+    tc: triton.InferenceServerClient, intent_labels: list[str]
+) -> None:
+    """tritonclient's class_count: the output becomes BYTES [N, k] of
+    "score:index:label", best first; k past the class count gives them all."""
+    texts = ["set an alarm for 7 am", "tell me a joke"]
+    probs = tc.infer("intent", [text_input(texts)]).as_numpy("PROBABILITIES")
+    result = tc.infer(
+        "intent",
+        [text_input(texts)],
+        outputs=[
+            triton.InferRequestedOutput("PROBABILITIES", class_count=3),
+            triton.InferRequestedOutput("LABEL"),
+        ],
+    )
+    top = result.as_numpy("PROBABILITIES")
+    assert result.get_output("PROBABILITIES").datatype == "BYTES"
+    assert top.shape == (2, 3)
+    assert top.tolist() == top_k(probs, 3, intent_labels).tolist()
+    assert re.fullmatch(rb"\d\.\d{6}:\d+:alarm", top[0, 0])
+    assert result.as_numpy("LABEL").tolist() == [b"alarm", b"tell_joke"]
+    every = tc.infer(
+        "intent",
+        [text_input(texts[:1])],
+        outputs=[triton.InferRequestedOutput("PROBABILITIES", class_count=1000)],
+    ).as_numpy("PROBABILITIES")
+    assert every.shape == (1, 157)
+    assert every.tolist() == top_k(probs[:1], 157, intent_labels).tolist()
+
+
+def test_classification_of_embeddings_has_no_labels(
+    tc: triton.InferenceServerClient,
+) -> None:
+    """An output without labels, as in Triton without a label file: the top
+    entries of the (normalized) embedding as "score:index"."""
+    texts = ["hello world", "classification of an embedding"]
+    embeddings = tc.infer("minilm", [text_input(texts)]).as_numpy("EMBEDDING")
+    top = tc.infer(
+        "minilm",
+        [text_input(texts)],
+        outputs=[triton.InferRequestedOutput("EMBEDDING", class_count=5)],
+    ).as_numpy("EMBEDDING")
+    assert top.shape == (2, 5)
+    assert top.tolist() == top_k(embeddings, 5).tolist()
+
+
+def test_classification_in_typed_contents(
+    stack: Stack, tc: triton.InferenceServerClient, intent_labels: list[str]
+) -> None:
+    import grpc
+
+    texts = ["set an alarm for 7 am", "flip a coin"]
+    probs = tc.infer("intent", [text_input(texts)]).as_numpy("PROBABILITIES")
+    request = service_pb2.ModelInferRequest(model_name="intent", id="typed-top")
+    request.parameters["binary_data_output"].bool_param = False
+    tensor = request.inputs.add(name="TEXT", datatype="BYTES", shape=[2])
+    tensor.contents.bytes_contents.extend(t.encode() for t in texts)
+    wanted = request.outputs.add(name="PROBABILITIES")
+    wanted.parameters["classification"].int64_param = 2
+    with grpc.insecure_channel(stack.gateway) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        response = stub.ModelInfer(request, timeout=30)
+    assert not response.raw_output_contents
+    (output,) = response.outputs
+    assert (output.name, output.datatype, list(output.shape)) == (
+        "PROBABILITIES",
+        "BYTES",
+        [2, 2],
+    )
+    expected = top_k(probs, 2, intent_labels).ravel().tolist()
+    assert list(output.contents.bytes_contents) == expected
+
+
+def test_classification_on_the_stream(
+    tc: triton.InferenceServerClient, intent_labels: list[str]
+) -> None:
+    texts = ["set an alarm for 7 am"]
+    probs = tc.infer("intent", [text_input(texts)]).as_numpy("PROBABILITIES")
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    tc.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        for i, count in enumerate([4, -1]):
+            output = triton.InferRequestedOutput("PROBABILITIES", class_count=count)
+            tc.async_stream_infer(
+                "intent", [text_input(texts)], outputs=[output], request_id=str(i)
+            )
+        (good, ok), (_, error) = [answers.get(timeout=60) for _ in range(2)]
+    finally:
+        tc.stop_stream()
+    assert ok is None and good.get_response().id == "0"
+    assert (
+        good.as_numpy("PROBABILITIES").tolist()
+        == top_k(probs, 4, intent_labels).tolist()
+    )
+    assert "INVALID_ARGUMENT" in error.message()
+    assert "'PROBABILITIES'" in error.message() and "-1" in error.message()
+
+
+@pytest.mark.parametrize(
+    ("output", "kind", "value", "fragment"),
+    [
+        ("PROBABILITIES", "int64_param", -2, "classification -2"),
+        ("PROBABILITIES", "int64_param", 0, "classification 0"),
+        ("PROBABILITIES", "string_param", "3", "string_param '3'"),
+        ("PROBABILITIES", "double_param", 2.5, "double_param 2.5"),
+        ("LABEL", "int64_param", 2, "type 'BYTES'"),
+    ],
+)
+def test_bad_classification_is_refused_clearly(
+    stack: Stack, output: str, kind: str, value: Any, fragment: str
+) -> None:
+    import grpc
+
+    request = service_pb2.ModelInferRequest(model_name="intent")
+    tensor = request.inputs.add(name="TEXT", datatype="BYTES", shape=[1])
+    tensor.contents.bytes_contents.append(b"set an alarm for 7 am")
+    wanted = request.outputs.add(name=output)
+    setattr(wanted.parameters["classification"], kind, value)
+    with grpc.insecure_channel(stack.gateway) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ModelInfer(request, timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    message = info.value.details() or ""
+    assert f"output {output!r}" in message and fragment in message, message
 
 
 @pytest.mark.parametrize(
