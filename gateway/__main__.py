@@ -24,7 +24,7 @@ from services.errors import BerthError, Unavailable
 from services.logs import setup_logging
 from services.loop import run
 from services.metrics import serve_metrics
-from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
+from services.proto.berth.v1 import berth_pb2
 from services.repository import load_repository
 from services.server import LAME_DUCK_S, ServiceServer
 from services.telemetry import setup_tracing, shutdown_tracing
@@ -166,7 +166,11 @@ async def main(args: argparse.Namespace) -> None:
         [berth_pb2.DESCRIPTOR.services_by_name["Berth"].full_name, KSERVE_SERVICE],
         max_message_bytes=args.max_message_mb * 2**20,
     )
-    berth_pb2_grpc.add_BerthServicer_to_server(BerthService(gateway), server.server)
+    # Not berth_pb2_grpc.add_BerthServicer_to_server: add_servicer parses unary
+    # requests in the handler, so one gRPC cannot parse is INVALID_ARGUMENT.
+    server.add_servicer(
+        berth_pb2.DESCRIPTOR.services_by_name["Berth"], BerthService(gateway)
+    )
     KServeService(gateway).add_to_server(server.server)
     await server.start()
     log.info(

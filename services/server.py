@@ -13,12 +13,17 @@ import logging
 import os
 import signal
 from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
 import grpc
+from google.protobuf import message_factory
+from google.protobuf.descriptor import ServiceDescriptor
+from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.channels import SERVER_OPTIONS
+from services.errors import BerthError, InvalidInput, abort
 
 # A front door's lame duck after turning NOT_SERVING (the gateway's
 # --lame-duck-s; see ServiceServer.run_until_signalled).
@@ -62,6 +67,47 @@ class ServiceServer:
             raise OSError(f"{name}: cannot listen on {address} (port in use?)")
         self.address = f"{address.rsplit(':', 1)[0]}:{self.port}"
         self._stop = asyncio.Event()
+
+    def add_servicer(self, service: ServiceDescriptor, servicer: object) -> None:
+        """Register ``servicer``'s methods of ``service``, as the generated
+        ``add_*Servicer_to_server`` does, but with each unary-unary method's
+        request parsed in its handler (:func:`parsed_in_handler`).
+
+        grpc.aio parses a request before any handler runs; one it cannot
+        parse (bad wire format, a string that is not UTF-8) it answers
+        UNKNOWN ("Unexpected DecodeError"), though the caller sent it.
+        Registered without a deserializer, a handler gets the bytes and
+        answers such a request INVALID_ARGUMENT, as the streams answer a
+        message they cannot read (services/streams.py until_unreadable).
+        Streaming methods keep gRPC's parse: a handler that reads a request
+        stream gets the error as it reads (a unary-stream method would still
+        answer UNKNOWN; no berth service has one)."""
+        handlers = {}
+        for method in service.methods:
+            request = message_factory.GetMessageClass(method.input_type)
+            response = message_factory.GetMessageClass(method.output_type)
+            behaviour = getattr(servicer, method.name)
+            serialize = response.SerializeToString
+            if not method.client_streaming and not method.server_streaming:
+                handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                    parsed_in_handler(behaviour, request),
+                    request_deserializer=None,  # the handler gets the bytes
+                    response_serializer=serialize,
+                )
+                continue
+            make = {
+                (False, True): grpc.unary_stream_rpc_method_handler,
+                (True, False): grpc.stream_unary_rpc_method_handler,
+                (True, True): grpc.stream_stream_rpc_method_handler,
+            }[(method.client_streaming, method.server_streaming)]
+            handlers[method.name] = make(
+                behaviour,
+                request_deserializer=request.FromString,
+                response_serializer=serialize,
+            )
+        generic = grpc.method_handlers_generic_handler(service.full_name, handlers)
+        self.server.add_generic_rpc_handlers((generic,))
+        self.server.add_registered_method_handlers(service.full_name, handlers)
 
     async def start(self) -> None:
         await self.set_serving(False)
@@ -120,3 +166,26 @@ class ServiceServer:
                 )
         await self.server.stop(grace_s)
         log.info("%s stopped", self.name)
+
+
+def parsed_in_handler(
+    behaviour: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Message]],
+    request_type: type[Message],
+) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[Message]]:
+    """A unary handler that parses the request bytes itself, then runs
+    ``behaviour`` on the message; bytes that are not a ``request_type`` are
+    answered INVALID_ARGUMENT naming it and the parse error."""
+    name = request_type.DESCRIPTOR.full_name
+
+    async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> Message:
+        try:
+            request = request_type.FromString(raw)
+        except Exception as exc:  # a DecodeError is the caller's; else a bug
+            kind = InvalidInput if isinstance(exc, DecodeError) else BerthError
+            await abort(
+                context, kind(f"the request could not be parsed as {name}: {exc}")
+            )
+            raise  # unreachable: abort raises
+        return await behaviour(request, context)
+
+    return handle

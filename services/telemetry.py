@@ -2,8 +2,10 @@
 
 Configured by the standard variables: OTEL_EXPORTER_OTLP_ENDPOINT (or
 OTEL_EXPORTER_OTLP_TRACES_ENDPOINT), OTEL_TRACES_SAMPLER[_ARG], OTEL_BSP_*,
-OTEL_SERVICE_NAME. With no endpoint set, no exporter runs: spans are not
-recorded, but incoming trace context is still passed on to the next hop.
+OTEL_SERVICE_NAME; OTEL_SDK_DISABLED=true or OTEL_TRACES_EXPORTER=none turn
+export off (see tracing_off_reason). With no endpoint set, or export off, no
+exporter runs: spans are not recorded, but incoming trace context is still
+passed on to the next hop.
 """
 
 from __future__ import annotations
@@ -39,34 +41,99 @@ __all__ = [
     "setup_tracing",
     "shutdown_tracing",
     "tracer",
+    "tracing_off_reason",
 ]
 
 
 def setup_tracing(service: str) -> Tracer:
-    """Install an OTLP/gRPC exporting provider when an endpoint is configured."""
+    """Install an OTLP/gRPC exporting provider when an endpoint is configured
+    and export is not switched off; say which, and why, once."""
     global _provider
-    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
-        "OTEL_EXPORTER_OTLP_ENDPOINT"
-    )
-    if endpoint and _provider is None:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
-            OTLPSpanExporter,
+    if _provider is not None:
+        return trace.get_tracer(f"berth.{service}")
+    off = tracing_off_reason(os.environ)
+    if off is not None:
+        log.info(
+            "tracing off: %s; spans are not exported, callers' trace context "
+            "is still passed on",
+            off,
         )
-        from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        return trace.get_tracer(f"berth.{service}")
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+        OTLPSpanExporter,
+    )
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-        name = os.environ.get("OTEL_SERVICE_NAME", service)
-        # The sampler comes from OTEL_TRACES_SAMPLER[_ARG]; the batch processor
-        # from OTEL_BSP_*; the exporter from OTEL_EXPORTER_OTLP_*.
-        provider = TracerProvider(resource=Resource.create({"service.name": name}))
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-        trace.set_tracer_provider(provider)
-        _provider = provider
-        log.info("tracing: exporting spans of %s over OTLP to %s", name, endpoint)
-    elif not endpoint:
-        log.info("tracing: no OTEL_EXPORTER_OTLP_ENDPOINT, spans are not exported")
+    name = os.environ.get("OTEL_SERVICE_NAME", service)
+    # The sampler comes from OTEL_TRACES_SAMPLER[_ARG]; the batch processor
+    # from OTEL_BSP_*; the exporter from OTEL_EXPORTER_OTLP_*.
+    provider = TracerProvider(resource=Resource.create({"service.name": name}))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    trace.set_tracer_provider(provider)
+    _provider = provider
+    log.info(
+        "tracing on: exporting spans of %s over OTLP to %s", name, _endpoint(os.environ)
+    )
     return trace.get_tracer(f"berth.{service}")
+
+
+def _endpoint(environ: Mapping[str, str]) -> str:
+    """The OTLP endpoint for traces ('': none; an empty value counts as unset)."""
+    return environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or environ.get(
+        "OTEL_EXPORTER_OTLP_ENDPOINT", ""
+    )
+
+
+# OTEL_TRACES_EXPORTER's values berth acts on: "otlp" (the default, and the
+# only exporter berth has) and "none".
+_OTLP, _NONE = "otlp", "none"
+
+
+def tracing_off_reason(environ: Mapping[str, str]) -> str | None:
+    """Why this process exports no spans, or None when it exports them.
+
+    As the OpenTelemetry specification defines the variables
+    (configuration/sdk-environment-variables.md): OTEL_SDK_DISABLED is a
+    Boolean, true only for the case-insensitive "true" (stripped, as the
+    Python SDK's TracerProvider reads it, which then hands out no-op
+    tracers); any other value but "false" or empty is false with a warning.
+    OTEL_TRACES_EXPORTER is a comma-separated, case-insensitive list whose
+    "none" means no exporter; a name berth has no exporter for is warned of
+    and ignored, as the specification says of unknown enum values. berth
+    needs an endpoint besides (it does not default to localhost:4317).
+    """
+    disabled = environ.get("OTEL_SDK_DISABLED", "")
+    if disabled.strip().lower() == "true":
+        return f"OTEL_SDK_DISABLED={disabled}"
+    if disabled.strip().lower() not in ("", "false"):
+        log.warning(
+            "OTEL_SDK_DISABLED=%r is neither true nor false: taken as false", disabled
+        )
+    exporters = environ.get("OTEL_TRACES_EXPORTER", "")
+    names = [n.strip().lower() for n in exporters.split(",") if n.strip()]
+    unknown = [n for n in names if n not in (_OTLP, _NONE)]
+    if unknown:
+        log.warning(
+            "OTEL_TRACES_EXPORTER=%s: berth has no %s exporter (it exports over "
+            "OTLP only); ignored",
+            exporters,
+            ", ".join(unknown),
+        )
+    if _NONE in names:
+        if len(names) > 1:
+            log.warning(
+                "OTEL_TRACES_EXPORTER=%s names 'none' with other exporters: "
+                "'none' wins, spans are not exported",
+                exporters,
+            )
+        return f"OTEL_TRACES_EXPORTER={exporters}"
+    if not _endpoint(environ):
+        return (
+            "no OTEL_EXPORTER_OTLP_ENDPOINT (or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) set"
+        )
+    return None
 
 
 def tracer(service: str) -> Tracer:
@@ -74,7 +141,7 @@ def tracer(service: str) -> Tracer:
 
 
 def recording() -> bool:
-    """Whether this process exports spans (setup_tracing found an endpoint).
+    """Whether this process exports spans (setup_tracing installed an exporter).
 
     Per-request and per-sequence spans are made only then: a span that is
     never exported still costs microseconds on the request path."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 import urllib.request
@@ -12,6 +13,7 @@ import grpc
 import pytest
 
 from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
+from services.telemetry import tracing_off_reason
 from tests.otlp import ReceivedSpan, Receiver
 from tests.stack import Stack, free_ports
 
@@ -178,6 +180,129 @@ def test_an_unreachable_collector_stalls_no_request(repository: Path) -> None:
         code = stack.stop()
     assert code == 0, stack.logs()
     assert "Failed to export" in stack.logs()  # it did try
+
+
+# The standard off-switches, as the OpenTelemetry specification defines them
+# (configuration/sdk-environment-variables.md): a Boolean is true only for the
+# case-insensitive "true"; OTEL_TRACES_EXPORTER is a case-insensitive list
+# whose "none" means no exporter.
+SWITCHES = [
+    pytest.param({}, None, id="no switch"),
+    pytest.param(
+        {"OTEL_SDK_DISABLED": "True"},
+        "tracing off: OTEL_SDK_DISABLED=True",
+        id="OTEL_SDK_DISABLED",
+    ),
+    pytest.param(
+        {"OTEL_TRACES_EXPORTER": "None"},
+        "tracing off: OTEL_TRACES_EXPORTER=None",
+        id="OTEL_TRACES_EXPORTER=none",
+    ),
+]
+
+
+@pytest.mark.parametrize(("switch", "reason"), SWITCHES)
+def test_the_standard_switches_turn_span_export_off(
+    repository: Path, switch: dict[str, str], reason: str | None
+) -> None:
+    """With an OTLP endpoint configured, every service exports spans; with
+    OTEL_SDK_DISABLED=true or OTEL_TRACES_EXPORTER=none as well, none, and
+    each says why once at start-up. Spans still buffered go out when berth
+    stops (shutdown_tracing), so after stop() the receiver has them all."""
+    receiver = Receiver().start()
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
+        "OTEL_EXPORTER_OTLP_INSECURE": "true",
+        "OTEL_TRACES_SAMPLER": "parentbased_always_on",
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+        **switch,
+    }
+    stack = Stack(repository, env=env)
+    try:
+        stack.wait_serving()
+        metadata = (("traceparent", f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"),)
+        with grpc.insecure_channel(stack.gateway) as channel:
+            stub = berth_pb2_grpc.BerthStub(channel)
+            reply = stub.Embed(
+                berth_pb2.EmbedRequest(model="minilm", texts=["switched?"]),
+                metadata=metadata,
+                timeout=30,
+            )
+            assert len(reply.embeddings) == 1 and not reply.degraded
+    finally:
+        code = stack.stop()
+        receiver.stop()
+    logs = stack.log_path.read_text(errors="replace")
+    assert code == 0, logs
+    spans = receiver.snapshot()
+    if reason is None:
+        assert {"gateway", "batcher", "engine"} <= {s.service for s in spans}
+        assert any(s.trace_id == CLIENT_TRACE for s in spans)
+    else:
+        exported = sorted({(s.service, s.name) for s in spans})
+        assert spans == [], f"{len(spans)} spans exported: {exported}"
+    # Each service process (gateway, batcher, engine) says once what
+    # tracing does and why.
+    said = [line for line in logs.splitlines() if "berth.telemetry: tracing " in line]
+    assert sorted(line.split()[2] for line in said) == ["batcher", "engine", "gateway"]
+    expected = reason or "tracing on: exporting spans"
+    assert all(expected in line for line in said), said
+
+
+ENDPOINT = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317"}
+
+
+@pytest.mark.parametrize(
+    ("environ", "off", "warns"),
+    [
+        ({}, "no OTEL_EXPORTER_OTLP_ENDPOINT", False),
+        ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://h:4317"}, None, False),
+        (ENDPOINT, None, False),
+        ({**ENDPOINT, "OTEL_EXPORTER_OTLP_ENDPOINT": ""}, "no OTEL_EXPORTER", False),
+        # A Boolean: true only for the case-insensitive "true".
+        ({**ENDPOINT, "OTEL_SDK_DISABLED": "true"}, "OTEL_SDK_DISABLED=true", False),
+        ({**ENDPOINT, "OTEL_SDK_DISABLED": "TRUE"}, "OTEL_SDK_DISABLED=TRUE", False),
+        ({"OTEL_SDK_DISABLED": "true"}, "OTEL_SDK_DISABLED=true", False),
+        ({**ENDPOINT, "OTEL_SDK_DISABLED": "false"}, None, False),
+        ({**ENDPOINT, "OTEL_SDK_DISABLED": ""}, None, False),
+        # Not a Boolean: false, with a warning (the specification's SHOULD).
+        ({**ENDPOINT, "OTEL_SDK_DISABLED": "1"}, None, True),
+        ({**ENDPOINT, "OTEL_SDK_DISABLED": "yes"}, None, True),
+        # An enum list, case-insensitive; "none" is no exporter.
+        (
+            {**ENDPOINT, "OTEL_TRACES_EXPORTER": "none"},
+            "OTEL_TRACES_EXPORTER=none",
+            False,
+        ),
+        (
+            {**ENDPOINT, "OTEL_TRACES_EXPORTER": "NONE"},
+            "OTEL_TRACES_EXPORTER=NONE",
+            False,
+        ),
+        ({**ENDPOINT, "OTEL_TRACES_EXPORTER": "otlp"}, None, False),
+        ({**ENDPOINT, "OTEL_TRACES_EXPORTER": "OTLP"}, None, False),
+        ({**ENDPOINT, "OTEL_TRACES_EXPORTER": ""}, None, False),
+        # "none" with others: the off-switch wins, with a warning.
+        ({**ENDPOINT, "OTEL_TRACES_EXPORTER": "otlp,none"}, "=otlp,none", True),
+        # An exporter berth does not have: warned of and ignored (the default,
+        # OTLP, applies), as the specification says of unknown enum values.
+        ({**ENDPOINT, "OTEL_TRACES_EXPORTER": "zipkin"}, None, True),
+        ({**ENDPOINT, "OTEL_TRACES_EXPORTER": "otlp, console"}, None, True),
+    ],
+)
+def test_tracing_off_reason_follows_the_specification(
+    environ: dict[str, str],
+    off: str | None,
+    warns: bool,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="berth.telemetry"):
+        reason = tracing_off_reason(environ)
+    if off is None:
+        assert reason is None
+    else:
+        assert reason is not None and off in reason, reason
+    assert bool(caplog.records) == warns, caplog.text
 
 
 def scrape(url: str) -> dict[str, float]:

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
-from tests.stack import Stack, stream_raw
+from tests.stack import Stack, health, stream_raw
 
 
 def test_tokenize_refuses_a_text_far_over_the_limit(
@@ -98,3 +98,73 @@ def test_unknown_model_names_the_served_ones_on_every_rpc(
     assert info.value.details() == (
         "unknown model 'nope'; this gateway serves intent, minilm"
     )
+
+
+def _unparseable(request: Any, how: str) -> bytes:
+    """``request`` serialized, then broken: its ``model`` string made
+    invalid UTF-8, or its last field cut short."""
+    raw = request.SerializeToString()
+    if how == "bad UTF-8":
+        return raw.replace(b"MARK", b"M\xffR\xfe")
+    return raw[:-2]
+
+
+@pytest.mark.parametrize("how", ["bad UTF-8", "truncated"])
+@pytest.mark.parametrize(
+    ("method", "request_", "response_type", "good"),
+    [
+        pytest.param(
+            "Embed",
+            berth_pb2.EmbedRequest(texts=["hello"], model="MARK"),
+            berth_pb2.EmbedResponse,
+            berth_pb2.EmbedRequest(model="minilm", texts=["after a bad call"]),
+            id="Embed",
+        ),
+        pytest.param(
+            "Classify",
+            berth_pb2.ClassifyRequest(texts=["hello"], model="MARK"),
+            berth_pb2.ClassifyResponse,
+            berth_pb2.ClassifyRequest(model="intent", texts=["after a bad call"]),
+            id="Classify",
+        ),
+        pytest.param(
+            "Tokenize",
+            berth_pb2.TokenizeRequest(texts=["hello"], model="MARK"),
+            berth_pb2.TokenizeResponse,
+            berth_pb2.TokenizeRequest(model="minilm", texts=["after a bad call"]),
+            id="Tokenize",
+        ),
+        pytest.param(
+            "ModelInfo",
+            berth_pb2.ModelInfoRequest(model="MARK"),
+            berth_pb2.ModelInfoResponse,
+            berth_pb2.ModelInfoRequest(model="minilm"),
+            id="ModelInfo",
+        ),
+    ],
+)
+def test_unary_call_that_cannot_be_parsed_is_invalid_argument(
+    stack: Stack, method: str, request_: Any, response_type: Any, good: Any, how: str
+) -> None:
+    """Bytes that are not the method's request message are the caller's
+    mistake: INVALID_ARGUMENT naming the message type and the parse error
+    (not UNKNOWN from gRPC's deserializer), and the gateway serves on."""
+    with grpc.insecure_channel(stack.gateway) as channel:
+        call = channel.unary_unary(
+            f"/berth.v1.Berth/{method}",
+            request_serializer=None,  # the bytes go as they are
+            response_deserializer=response_type.FromString,
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            call(_unparseable(request_, how), timeout=30)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        details = info.value.details() or ""
+        name = type(request_).DESCRIPTOR.full_name
+        assert f"could not be parsed as {name}" in details, details
+        reason = "bad UTF-8" if how == "bad UTF-8" else "corrupt"
+        assert reason in details, details
+        # The gateway is unharmed: the next good call on the same channel
+        # is answered, and it is still SERVING.
+        stub = berth_pb2_grpc.BerthStub(channel)
+        assert getattr(stub, method)(good, timeout=30).ByteSize() > 0
+    assert health(stack.gateway) == "SERVING"
