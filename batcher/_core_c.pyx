@@ -284,6 +284,11 @@ cdef class BucketCore:
                     deadline = d
         return deadline
 
+    def next_expiry(self):
+        """Earliest ``expires_at`` queued; early, never late (packing leaves it
+        early until a drop pass, which makes it exact again)."""
+        return self.min_expiry
+
     def stats(self):
         cdef int b
         rows = []
@@ -505,6 +510,13 @@ cdef class BucketCore:
         self.rcancelled[self.sbucket[slot]] += 1
         self.n_cancelled += 1
         return True
+
+    def expire(self, double now):
+        """Drop cancelled and expired entries now, as ``next_batch`` does first,
+        without forming a batch (for when no engine can take one)."""
+        self._check_owner()
+        self._reserve_drops()
+        self._drop(now)
 
     def next_batch(self, double now, bint eager=False):
         cdef int b

@@ -13,6 +13,7 @@ Counting rules (the Cython core follows them exactly):
 * ``capacity`` bounds the entries holding a slot, cancelled ones included
   until dropped. A push that finds the core full first drops cancelled and
   expired entries, then raises ``QueueFull`` only if it is still full.
+* ``expire(now)`` drops as ``next_batch`` does and forms no batch.
 * A cancelled id is forgotten at once, so it may be pushed again.
 * ``push_many`` queues a whole message or nothing: it checks every sequence
   (offsets, length, id) in order, then capacity, and only then queues them in
@@ -300,6 +301,11 @@ class BucketCore:
                 deadline = min(deadline, queue[0].enqueued_at + self._delays[b])
         return deadline
 
+    def next_expiry(self) -> float:
+        """Earliest ``expires_at`` queued; early, never late (packing leaves it
+        early until a drop pass, which makes it exact again)."""
+        return self._min_expiry
+
     def stats(self) -> list[dict[str, Any]]:
         return [
             {
@@ -397,6 +403,11 @@ class BucketCore:
         entry.cancelled = True
         self._cancelled += 1
         return True
+
+    def expire(self, now: float) -> None:
+        """Drop cancelled and expired entries now, as ``next_batch`` does first,
+        without forming a batch (for when no engine can take one)."""
+        self._drop(now)
 
     def next_batch(self, now: float, eager: bool = False) -> Batch | None:
         # 1. Drop cancelled and expired entries.

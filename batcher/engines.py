@@ -71,25 +71,18 @@ class EngineClient(
         The scheduler dispatches in a loop without yielding; a slot counted
         only once the batch's task started sending let one pass hand an idle
         engine a batch per ready bucket (8 against 2 slots in
-        tests/batcher/test_dispatch.py; 10 on one engine in a 2-core load run)."""
+        tests/batcher/test_dispatch.py; 10 on one engine in a 2-core load run),
+        and a hedge's engine one more batch than its slots
+        (tests/batcher/test_stuck_engine.py)."""
         self.in_flight += 1
 
     def free_slot(self) -> None:
         self.in_flight -= 1
 
-    async def run(
-        self, batch: internal_pb2.Batch, slot_taken: bool = False
-    ) -> internal_pb2.BatchResult:
-        """Send one batch and wait for its result; ``slot_taken``: the caller
-        counted it with :meth:`take_slot` (and frees it), else it is counted
-        here while it runs."""
-        if not slot_taken:
-            self.in_flight += 1
-        try:
-            return await self.send(batch.id, internal_pb2.EngineRequest(batch=batch))
-        finally:
-            if not slot_taken:
-                self.in_flight -= 1
+    async def run(self, batch: internal_pb2.Batch) -> internal_pb2.BatchResult:
+        """Send one batch and wait for its result. The caller counts it
+        against this engine (:meth:`take_slot`, :meth:`free_slot`)."""
+        return await self.send(batch.id, internal_pb2.EngineRequest(batch=batch))
 
     def cancel(self, batch_id: int) -> None:
         self.post(

@@ -49,6 +49,9 @@ Deliver = Callable[[internal_pb2.SequenceResult], None]
 # How long queued work waits for an engine when none is connected at all
 # before it is failed (so the gateway can fall back instead of hanging).
 NO_ENGINE_GRACE_S = 2.0
+# With work queued and no engine slot free, the loop looks again this often
+# (an ejection may end without anything waking it).
+ENGINE_POLL_S = 0.05
 
 
 @dataclass
@@ -236,6 +239,10 @@ class ModelScheduler:
             batch = None
             if engine is not None:
                 batch = self.core.next_batch(now, eager=engine.in_flight == 0)
+            else:
+                # No slot free (engines stuck on their batches, say): expire
+                # anyway, so that a deadline is answered when it passes.
+                self.core.expire(now)
             # 2. Answer the sequences the core dropped (cancelled / expired).
             self._report_dropped()
             if batch is not None and engine is not None:
@@ -246,12 +253,15 @@ class ModelScheduler:
                 continue
             self._fail_if_engineless(now)
             metrics.QUEUE_DEPTH.labels(self.name).set(len(self.core))
-            # 3. Sleep until new work, a free engine slot or a bucket's delay.
-            # (No free engine with work queued: poll, an ejection may end.)
+            # 3. Sleep until new work, a free engine slot, a bucket's delay
+            # (with no slot free: a poll) or the earliest queued expiry.
             timeout: float | None = None
             if len(self.core):
-                deadline = self.core.next_deadline() - now
-                timeout = 0.05 if engine is None else max(0.0, deadline)
+                wake_at = now + ENGINE_POLL_S
+                if engine is not None:
+                    wake_at = self.core.next_deadline()
+                wake_at = min(wake_at, self.core.next_expiry())
+                timeout = max(0.0, wake_at - now)
             self._wake.clear()
             # (A timer that sets the event: cheaper than wait_for's task.)
             timer = None
@@ -447,19 +457,54 @@ class ModelScheduler:
         slot_taken: bool = False,
     ) -> internal_pb2.BatchResult:
         """One attempt; past the hedge delay, a second engine races it."""
-        first = asyncio.ensure_future(self._attempt(engine, message, slot_taken))
+        first = self._start_attempt(engine, message, slot_taken)
         attempts = {first: engine}
-        done, _ = await asyncio.wait(attempts, timeout=self._hedge_delay(bucket))
-        if not done:
-            # Only to an engine with a free slot: one queued behind a full
-            # engine's work rarely wins and takes capacity the load needs
-            # (3 x 8 s at 270/s on 2 cores: p99 167-402 ms -> 135-223 ms).
-            backup = self.pool.pick(self.name, exclude=tried)
-            if backup is not None and self.hedges.try_spend():
-                tried.add(backup)
-                metrics.HEDGES.labels(self.name, "sent").inc()
-                hedge = self._attempt(backup, message, False)
-                attempts[asyncio.ensure_future(hedge)] = backup
+        try:
+            done, _ = await asyncio.wait(attempts, timeout=self._hedge_delay(bucket))
+            if not done:
+                # Only to an engine with a free slot: one queued behind a full
+                # engine's work rarely wins and takes capacity the load needs
+                # (3 x 8 s at 270/s on 2 cores: p99 167-402 ms -> 135-223 ms).
+                backup = self.pool.pick(self.name, exclude=tried)
+                if backup is not None and self.hedges.try_spend():
+                    tried.add(backup)
+                    metrics.HEDGES.labels(self.name, "sent").inc()
+                    attempts[self._start_attempt(backup, message)] = backup
+            return await self._race(first, attempts)
+        finally:
+            # Whatever ended the race (a winner, or this task cancelled), the
+            # attempts still running are called off: dropped before compute.
+            for task, attempt_engine in attempts.items():
+                if not task.done():
+                    task.cancel()
+                    attempt_engine.cancel(message.id)
+
+    def _start_attempt(
+        self,
+        engine: EngineClient,
+        message: internal_pb2.Batch,
+        slot_taken: bool = False,
+    ) -> asyncio.Task[internal_pb2.BatchResult]:
+        """Start one attempt; ``slot_taken``: its slot was counted at dispatch.
+
+        Otherwise (a hedge, a re-send) the slot is counted now, not when the
+        task first runs: the loop may pick before then, and gave a hedge's
+        engine a batch beyond its slots. It is freed once, when the task ends
+        however it ends (won, lost, cancelled, failed)."""
+        task = asyncio.ensure_future(self._attempt(engine, message))
+        if not slot_taken:
+            engine.take_slot()
+            task.add_done_callback(lambda _: self._slot_freed(engine))
+        return task
+
+    async def _race(
+        self,
+        first: asyncio.Task[internal_pb2.BatchResult],
+        attempts: dict[asyncio.Task[internal_pb2.BatchResult], EngineClient],
+    ) -> internal_pb2.BatchResult:
+        """The result of the first attempt to succeed, else the last error.
+        ``first``: the primary attempt, the others its hedge."""
+        primary = attempts[first]
         pending = set(attempts)
         error: BaseException | None = None
         while pending:
@@ -468,31 +513,27 @@ class ModelScheduler:
             )
             for task in done:
                 if task.exception() is None:
-                    winner = attempts[task]
-                    for loser in pending:
-                        loser.cancel()
-                        attempts[loser].cancel(message.id)  # dropped before compute
-                        if winner is not engine:
-                            metrics.HEDGES.labels(self.name, "won").inc()
-                            self.hedges.won += 1
-                            # The primary stalled: let it sit out a back-off,
-                            # unless this batch shared it with another (then
-                            # it was busy: queued behind, or ahead of, work).
-                            if engine.in_flight <= 1:
-                                engine.record_failure("slower than its hedge")
+                    if first in pending:  # the hedge won the race
+                        metrics.HEDGES.labels(self.name, "won").inc()
+                        self.hedges.won += 1
+                        # The primary stalled: let it sit out a back-off,
+                        # unless this batch shared it with another (then
+                        # it was busy: queued behind, or ahead of, work).
+                        if primary.in_flight <= 1:
+                            primary.record_failure("slower than its hedge")
                     return task.result()
                 error = task.exception()
         assert error is not None
         raise error
 
     async def _attempt(
-        self, engine: EngineClient, message: internal_pb2.Batch, slot_taken: bool
+        self, engine: EngineClient, message: internal_pb2.Batch
     ) -> internal_pb2.BatchResult:
         try:
             # (asyncio.timeout, not wait_for: on Python 3.11 wait_for runs the
             # call as a task of its own, one more hand-off per batch.)
             async with asyncio.timeout(self.config.batch_timeout_s):
-                result = await engine.run(message, slot_taken)
+                result = await engine.run(message)
         except TimeoutError:
             engine.cancel(message.id)
             engine.record_failure("batch timed out")

@@ -305,6 +305,49 @@ def test_cancel_wins_over_expiry(core_mod: ModuleType) -> None:
     assert core.take_dropped() == [(1, REASON_CANCELLED)]
 
 
+def test_expire_drops_without_forming_a_batch(core_mod: ModuleType) -> None:
+    """The scheduler expires queued work while no engine slot is free (it
+    forms no batch then): expire drops what next_batch would, packs nothing."""
+    core = make(core_mod)
+    core.push(1, toks(2), 0.0, expires_at=0.5)
+    core.push(2, toks(6), 0.0, expires_at=0.3)
+    core.push(3, toks(2), 0.0)
+    core.expire(0.2)
+    assert core.take_dropped() == [] and len(core) == 3
+    core.expire(0.3)
+    assert core.take_dropped() == [(2, REASON_EXPIRED)] and len(core) == 2
+    core.cancel(3)
+    core.expire(0.3)
+    assert core.take_dropped() == [(3, REASON_CANCELLED)] and len(core) == 1
+    assert [s["batches"] for s in core.stats()] == [0, 0, 0]
+    batch = core.next_batch(0.4, eager=True)
+    assert batch is not None and batch.ids.tolist() == [1]
+
+
+def test_next_expiry_is_early_never_late(core_mod: ModuleType) -> None:
+    """The scheduler sleeps until next_expiry: a lower bound on the earliest
+    expiry queued (packing leaves it early), exact again after a drop pass."""
+    core = make(core_mod)
+    assert core.next_expiry() == math.inf
+    core.push(1, toks(2), 0.0)
+    assert core.next_expiry() == math.inf  # no deadline: never expires
+    core.push(2, toks(6), 0.0, expires_at=0.3)
+    core.push(3, toks(2), 0.0, expires_at=0.5)
+    assert core.next_expiry() == 0.3
+    first = core.next_batch(0.1, eager=True)
+    second = core.next_batch(0.1, eager=True)
+    assert first is not None and first.ids.tolist() == [1, 3]
+    assert second is not None and second.ids.tolist() == [2]
+    assert core.next_expiry() == 0.3  # id 2 was packed: early, not late
+    core.push(4, toks(2), 0.1, expires_at=0.4)
+    assert core.next_expiry() == 0.3
+    core.expire(0.3)  # nothing due: the scan makes the bound exact
+    assert core.take_dropped() == [] and core.next_expiry() == 0.4
+    core.expire(0.4)
+    assert core.take_dropped() == [(4, REASON_EXPIRED)]
+    assert core.next_expiry() == math.inf
+
+
 def test_capacity_raises_queue_full(core_mod: ModuleType) -> None:
     core = make(core_mod, capacity=3)
     for i in range(3):
@@ -598,6 +641,7 @@ _OP = st.one_of(
     ),
     st.tuples(st.just("cancel"), st.integers(0, 20)),
     st.tuples(st.just("size"), st.integers(0, 2), st.integers(-1, 6)),
+    st.tuples(st.just("expire"), st.integers(0, 8)),  # ticks to advance first
     st.tuples(
         st.just("many"),
         st.one_of(  # (id, length) per sequence; ids may repeat in a message
@@ -638,6 +682,8 @@ def _apply(core: Any, op: tuple[Any, ...], now: float) -> Any:
             return core.cancel(op[1])
         if op[0] == "size":
             return core.set_batch_size(op[1], op[2])
+        if op[0] == "expire":
+            return core.expire(now)
         batch = core.next_batch(now, eager=op[2])
         if batch is None:
             return None
@@ -660,6 +706,7 @@ def _state(core: Any) -> tuple[Any, ...]:
         len(core),
         [core.queued(b) for b in range(3)],
         core.next_deadline(),
+        core.next_expiry(),
         core.take_dropped(),
         core.stats(),
     )
@@ -685,7 +732,7 @@ def test_cython_matches_twin(
     twin, fast = _core_py.BucketCore(**kw), core_c.BucketCore(**kw)
     now = 0.0
     for op in ops:
-        if op[0] == "next":
+        if op[0] in ("next", "expire"):
             now += op[1] * TICK
         assert _apply(fast, op, now) == _apply(twin, op, now), op
         assert _state(fast) == _state(twin), op

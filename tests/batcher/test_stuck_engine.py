@@ -1,0 +1,284 @@
+"""The scheduler while its engines hang on their batches.
+
+Engines here are real gRPC engine servicers on loopback that answer each
+batch after a delay (zeros; no model), so a batch can hang for seconds:
+
+- a queued sequence whose deadline passes is answered DEADLINE_EXCEEDED at
+  its deadline, whether every engine slot is taken or its bucket waits to
+  fill (it was answered only when a slot freed or the bucket's delay ended);
+- a hedge counts its engine's slot when it is decided: the loop, running
+  before the hedge's task starts, handed the same engine another batch and
+  it held two batches against one slot;
+- and frees it once, however the hedge ends: won, lost, failed, or called
+  off with its batch (a cancelled batch left its attempts running).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import numpy as np
+import pytest
+
+from batcher.engines import EnginePool
+from batcher.scheduler import ModelScheduler, SchedulerConfig
+from services.proto.berth.v1 import internal_pb2, internal_pb2_grpc
+from services.repository import ModelEntry
+
+ENTRY = ModelEntry(name="m", task="embed", checkpoint="", buckets=[8, 16])
+WIDTH = 4
+
+
+class SleepyEngine(internal_pb2_grpc.EngineServicer):
+    """Answers each batch after ``delay_s`` (as it was when the batch came);
+    a cancel drops a batch it still holds. Records the most batches it held
+    at once."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.fails = False  # answer every batch with an engine error
+        self.received = 0
+        self.held: set[int] = set()
+        self.most_held = 0
+
+    async def Info(
+        self, request: internal_pb2.EngineInfoRequest, context: grpc.aio.ServicerContext
+    ) -> internal_pb2.EngineInfo:
+        model = internal_pb2.EngineModel(name=ENTRY.name, task="embed", width=WIDTH)
+        return internal_pb2.EngineInfo(models=[model], device="cpu", backend="sleep")
+
+    async def Run(
+        self,
+        request_iterator: AsyncIterator[internal_pb2.EngineRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[internal_pb2.BatchResult]:
+        answers: asyncio.Queue[internal_pb2.BatchResult] = asyncio.Queue()
+        tasks: dict[int, asyncio.Task[None]] = {}
+
+        async def answer(batch: internal_pb2.Batch, delay_s: float) -> None:
+            await asyncio.sleep(delay_s)
+            self.held.discard(batch.id)
+            if self.fails:
+                code = grpc.StatusCode.INTERNAL.value[0]
+                failed = internal_pb2.BatchResult(id=batch.id, code=code, message="x")
+                answers.put_nowait(failed)
+                return
+            output = np.zeros(batch.batch_size * WIDTH, dtype="<f4").tobytes()
+            answers.put_nowait(
+                internal_pb2.BatchResult(
+                    id=batch.id, output=output, width=WIDTH, gpu_utilization=-1
+                )
+            )
+
+        async def read() -> None:
+            async for request in request_iterator:
+                if request.HasField("batch"):
+                    batch = request.batch
+                    self.received += 1
+                    self.held.add(batch.id)
+                    self.most_held = max(self.most_held, len(self.held))
+                    tasks[batch.id] = asyncio.create_task(answer(batch, self.delay_s))
+                elif (task := tasks.pop(request.cancel.id, None)) is not None:
+                    task.cancel()
+                    self.held.discard(request.cancel.id)
+
+        reader = asyncio.create_task(read())
+        try:
+            while True:
+                yield await answers.get()
+        finally:
+            reader.cancel()
+            for task in tasks.values():
+                task.cancel()
+
+
+def sequence(reply_id: int, length: int, timeout_ms: int = 0) -> internal_pb2.Sequences:
+    """One sequence of ``length`` tokens for the model."""
+    return internal_pb2.Sequences(
+        model=ENTRY.name,
+        ids=[reply_id],
+        token_ids=np.arange(1, length + 1, dtype="<i4").tobytes(),
+        offsets=np.array([0, length], dtype="<i4").tobytes(),
+        timeout_ms=timeout_ms,
+    )
+
+
+async def started(
+    engines: list[SleepyEngine], slots: int, config: SchedulerConfig
+) -> tuple[ModelScheduler, EnginePool, list[grpc.aio.Server]]:
+    """These engines on loopback behind a pool and a started scheduler."""
+    servers, addresses = [], []
+    for servicer in engines:
+        server = grpc.aio.server()
+        internal_pb2_grpc.add_EngineServicer_to_server(servicer, server)
+        addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
+        await server.start()
+        servers.append(server)
+    pool = EnginePool(addresses, slots_per_engine=slots)
+    scheduler = ModelScheduler(ENTRY, pool, config)
+    scheduler.start()
+    pool.start()
+    while len(pool.serving(ENTRY.name)) < len(engines):
+        await asyncio.sleep(0.01)
+    return scheduler, pool, servers
+
+
+async def stopped(
+    scheduler: ModelScheduler, pool: EnginePool, servers: list[grpc.aio.Server]
+) -> None:
+    for task in list(scheduler._inflight):
+        task.cancel()
+    await scheduler.drain()
+    await pool.close()
+    for server in servers:
+        await server.stop(None)
+
+
+@pytest.mark.parametrize(
+    ("slots", "max_delay_s"),
+    [(1, 0.001), (2, 1.0)],
+    ids=["every-slot-taken", "its-bucket-waits-to-fill"],
+)
+def test_a_queued_sequence_is_answered_at_its_deadline_while_its_engine_hangs(
+    slots: int, max_delay_s: float
+) -> None:
+    """The engine hangs 2 s on a first batch. A second sequence, queued with
+    a 100 ms deadline, is answered DEADLINE_EXCEEDED within 100 ms of that
+    deadline, long before the engine answers: with every slot taken (the
+    loop formed no batch, so nothing dropped it), and with a slot free but
+    the bucket waiting 1 s to fill (the loop slept until then)."""
+
+    async def scenario() -> tuple[dict[int, tuple[int, float]], float]:
+        engine = SleepyEngine(delay_s=2.0)
+        config = SchedulerConfig(max_delay_s=max_delay_s)
+        scheduler, pool, servers = await started([engine], slots, config)
+        answered: dict[int, tuple[int, float]] = {}
+
+        def deliver(result: internal_pb2.SequenceResult) -> None:
+            answered[result.id] = (result.code, time.monotonic())
+
+        try:
+            scheduler.submit(sequence(1, 5), deliver)  # dispatched: hangs
+            while not engine.received:
+                await asyncio.sleep(0.005)
+            deadline = time.monotonic() + 0.1
+            scheduler.submit(sequence(2, 6, timeout_ms=100), deliver)  # queued
+            async with asyncio.timeout(5):
+                while 2 not in answered:
+                    await asyncio.sleep(0.005)
+        finally:
+            await stopped(scheduler, pool, servers)
+        return answered, deadline
+
+    answered, deadline = asyncio.run(scenario())
+    code, at = answered[2]
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    late = at - deadline
+    print(f"answered {late * 1000:.1f} ms after its deadline")
+    assert -0.005 < late < 0.1, f"answered {late:.3f} s after its deadline"
+    assert 1 not in answered or answered[1][1] > at  # the engine still hung
+
+
+HEDGE_S = 0.3
+
+
+def test_a_hedge_counts_its_engine_slot_when_it_is_decided() -> None:
+    """One slot per engine. A batch hangs on one engine; at its hedge delay
+    it is hedged to the other, and in the same event-loop pass a second
+    request arrives. The hedge's engine, its slot taken, must not get that
+    request's batch too: no engine ever holds more batches than its slots.
+
+    The race is one loop pass wide (the loop runs before the hedge's task
+    first does): blocking the event loop over the hedge delay makes the
+    hedge's timer and the request's come due in one pass, the hedge's first.
+    """
+
+    async def scenario() -> tuple[int, list[int], list[int]]:
+        engines = [SleepyEngine(delay_s=2.0) for _ in range(2)]
+        config = SchedulerConfig(max_delay_s=0.001, hedge_delay_s=HEDGE_S)
+        scheduler, pool, servers = await started(engines, 1, config)
+        codes: list[int] = []
+        try:
+            scheduler.submit(sequence(1, 5), lambda r: codes.append(r.code))
+            while not any(e.received for e in engines):
+                await asyncio.sleep(0.001)
+            spare = next(e for e in engines if not e.received)
+            spare.delay_s = 0.1  # the hedge's engine answers quickly
+            loop = asyncio.get_running_loop()
+            loop.call_later(
+                HEDGE_S + 0.05,
+                scheduler.submit,
+                sequence(2, 6),
+                lambda r: codes.append(r.code),
+            )
+            await asyncio.sleep(HEDGE_S - 0.1)
+            time.sleep(0.3)  # both timers are due when the loop runs again
+            async with asyncio.timeout(5):
+                while len(codes) < 2:
+                    await asyncio.sleep(0.01)
+        finally:
+            await stopped(scheduler, pool, servers)
+        return scheduler.hedges.sent, [e.most_held for e in engines], codes
+
+    hedges, most_held, codes = asyncio.run(scenario())
+    assert codes == [0, 0]
+    assert hedges == 1, "the scenario needs the first batch hedged"
+    assert max(most_held) <= 1, f"batches held at once per engine: {most_held}"
+
+
+@pytest.mark.parametrize(
+    ("primary_s", "hedge_s", "hedge_fails", "answered"),
+    [
+        (2.0, 0.1, False, True),
+        (0.5, 2.0, False, True),
+        (0.5, 0.0, True, True),
+        (2.0, 2.0, False, False),
+    ],
+    ids=["hedge-wins", "hedge-loses", "hedge-fails", "batch-cancelled"],
+)
+def test_a_hedge_frees_its_engine_slot_once_however_it_ends(
+    primary_s: float, hedge_s: float, hedge_fails: bool, answered: bool
+) -> None:
+    """A batch hedged past 0.3 s; once it is settled (or its task cancelled,
+    as at shutdown, while both attempts run) every engine's slot count is
+    back to 0: none leaked, none freed twice."""
+
+    async def scenario() -> tuple[list[int], list[int], list[int]]:
+        engines = [SleepyEngine(delay_s=primary_s) for _ in range(2)]
+        config = SchedulerConfig(max_delay_s=0.001, hedge_delay_s=HEDGE_S)
+        scheduler, pool, servers = await started(engines, 1, config)
+        codes: list[int] = []
+        try:
+            scheduler.submit(sequence(1, 5), lambda r: codes.append(r.code))
+            while not any(e.received for e in engines):
+                await asyncio.sleep(0.001)
+            spare = next(e for e in engines if not e.received)
+            spare.delay_s, spare.fails = hedge_s, hedge_fails
+            while not spare.received:  # the hedge is out
+                await asyncio.sleep(0.005)
+            if not answered:
+                for task in list(scheduler._inflight):
+                    task.cancel()
+            async with asyncio.timeout(5):
+                while answered and not codes:
+                    await asyncio.sleep(0.005)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(1):  # the attempts settle
+                    while any(e.in_flight for e in pool.engines):
+                        await asyncio.sleep(0.005)
+            return (
+                codes,
+                [e.in_flight for e in pool.engines],
+                [e.received for e in engines],
+            )
+        finally:
+            await stopped(scheduler, pool, servers)
+
+    codes, in_flight, received = asyncio.run(scenario())
+    assert received == [1, 1]  # the batch, and its hedge
+    assert codes == ([0] if answered else [])
+    assert in_flight == [0, 0], f"slots still counted per engine: {in_flight}"
