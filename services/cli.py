@@ -190,9 +190,19 @@ def pin_children(children: list[Any], gpus: int) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from services.logs import setup_logging
-    from services.supervisor import Child, Supervisor, python_module
+    from services.supervisor import (
+        Child,
+        Listener,
+        PortUnavailable,
+        Supervisor,
+        check_listeners,
+        python_module,
+        reserve_ports,
+    )
 
     log = setup_logging("serve")
+    # Every check comes before the models are built: a first build (a GPU
+    # export) takes minutes, and a bad flag should not wait for it.
     for flag, value, allowed in (
         ("--batcher-mode", args.batcher_mode, ("service", "inline")),
         ("--grpc-io", args.grpc_io, tuple(GRPC_IO)),
@@ -209,11 +219,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if count < 0:
             log.error("%s must be 0 (the default count) or more, not %d", flag, count)
             return 2
-    repo = Path(args.model_repository)
-    if args.build_models and not any(repo.glob("*/berth.json")):
-        # Only an empty repository gets the defaults: a user's own entries,
-        # whatever their names, are never rewritten.
-        build_models(repo)
     try:
         devices = serve_devices(args.device)
     except ValueError as exc:
@@ -221,16 +226,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     gpus = len(devices)
     engines = args.engines or default_engines(gpus)
+    repo = Path(args.model_repository)
     common = ["--model-repository", str(repo)]
+    # Every port a child listens on, checked before any starts.
+    listeners = [Listener("gateway", "--port", args.port)]
 
-    def metrics_port(offset: int) -> str:
+    def metrics_port(child: str, offset: int) -> str:
         # gateway base, batcher base+1, engines base+2...; 0 turns them off.
-        return str(args.metrics_port + offset if args.metrics_port else 0)
+        if not args.metrics_port:
+            return "0"
+        listeners.append(
+            Listener(child, "--metrics-port", args.metrics_port, offset, metrics=True)
+        )
+        return str(args.metrics_port + offset)
 
     children = []
     engine_addresses = []
     for i in range(engines):
         port = args.engine_port + i
+        listeners.append(Listener(f"engine-{i}", "--engine-port", args.engine_port, i))
         engine_addresses.append(f"{args.host}:{port}")
         env = {}
         if gpus:
@@ -252,7 +266,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     "--device",
                     "cuda:0" if gpus else "cpu",
                     "--metrics-port",
-                    metrics_port(2 + i),
+                    metrics_port(f"engine-{i}", 2 + i),
                     *("--chaos",) * args.chaos,
                     *common,
                 ),
@@ -277,10 +291,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     batcher_addresses = []
     for i in range(batchers):
         port = args.batcher_port + i
+        name = "batcher" if batchers == 1 else f"batcher-{i}"
+        listeners.append(Listener(name, "--batcher-port", args.batcher_port, i))
         batcher_addresses.append(f"{args.host}:{port}")
         children.append(
             Child(
-                "batcher" if batchers == 1 else f"batcher-{i}",
+                name,
                 python_module(
                     "batcher",
                     "--host",
@@ -290,7 +306,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     "--engines",
                     ",".join(engine_addresses),
                     "--metrics-port",
-                    metrics_port(batcher_metrics[i]),
+                    metrics_port(name, batcher_metrics[i]),
                     *batching,
                     *common,
                 ),
@@ -301,9 +317,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # Every gateway listens on the same port (SO_REUSEPORT: the kernel
         # spreads connections over them); each has its own stream to one
         # batcher, gateways spread evenly over the batchers.
+        name = "gateway" if gateways == 1 else f"gateway-{i}"
         children.append(
             Child(
-                "gateway" if gateways == 1 else f"gateway-{i}",
+                name,
                 python_module(
                     "gateway",
                     "--host",
@@ -323,40 +340,56 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         )
                     ),
                     "--metrics-port",
-                    metrics_port(0 if i == 0 else 1 + engines + i),
+                    metrics_port(name, 0 if i == 0 else 1 + engines + i),
                     *common,
                 ),
             )
         )
-    set_grpc_io(children, args.grpc_io, os.environ)
-    if args.cpu_affinity == "spread":
-        pin_children(children, gpus)
-    supervisor = Supervisor(children)
-    supervisor.start()
-    log.info(
-        "starting %d engine(s) on %s, %s, %d gateway process(es) on %s",
-        engines,
-        f"GPUs {', '.join(devices)}" if gpus else args.device,
-        "batching inline in each gateway"
-        if inline
-        else f"{batchers} batcher(s) on {', '.join(batcher_addresses)}",
-        gateways,
-        gateway,
-    )
-    while not supervisor.stopping:
-        if not supervisor.served and _health(gateway, timeout=1.0) == "SERVING":
-            print(
-                f"berth is serving on {gateway} "
-                f"(try: berth embed --model minilm 'hello world')",
-                flush=True,
-            )
-            supervisor.served = True
-        failure = supervisor.check()
-        if failure is not None:
-            log.error("%s", failure)
-            return supervisor.stop() or 1
-        time.sleep(0.2 if supervisor.served else 0.5)
-    return supervisor.stop()
+    try:
+        check_listeners(listeners)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    try:
+        # Held until serve exits: see services/supervisor.py on the ports.
+        reservation = reserve_ports(args.host, listeners)
+    except PortUnavailable as exc:
+        log.error("%s; nothing was started", exc)
+        return 1
+    with reservation:
+        if args.build_models and not any(repo.glob("*/berth.json")):
+            # Only an empty repository gets the defaults: a user's own
+            # entries, whatever their names, are never rewritten.
+            build_models(repo)
+        set_grpc_io(children, args.grpc_io, os.environ)
+        if args.cpu_affinity == "spread":
+            pin_children(children, gpus)
+        supervisor = Supervisor(children)
+        supervisor.start()
+        log.info(
+            "starting %d engine(s) on %s, %s, %d gateway process(es) on %s",
+            engines,
+            f"GPUs {', '.join(devices)}" if gpus else args.device,
+            "batching inline in each gateway"
+            if inline
+            else f"{batchers} batcher(s) on {', '.join(batcher_addresses)}",
+            gateways,
+            gateway,
+        )
+        while not supervisor.stopping:
+            if not supervisor.served and _health(gateway, timeout=1.0) == "SERVING":
+                print(
+                    f"berth is serving on {gateway} "
+                    f"(try: berth embed --model minilm 'hello world')",
+                    flush=True,
+                )
+                supervisor.served = True
+            failure = supervisor.check()
+            if failure is not None:
+                log.error("%s", failure)
+                return supervisor.stop() or 1
+            time.sleep(0.2 if supervisor.served else 0.5)
+        return supervisor.stop()
 
 
 # ---- client commands --------------------------------------------------------

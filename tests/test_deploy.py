@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -68,3 +69,52 @@ def test_kubernetes_manifests_run_real_commands() -> None:
                 assert container["readinessProbe"]["grpc"]["port"] == args["port"]
                 seen.add(service)
     assert seen == {"gateway", "batcher", "engine"}
+
+
+# A GPU engine captures a CUDA graph per batch shape before it turns SERVING,
+# and a first start may export its models too: that can take many minutes.
+SLOW_START_S = 30 * 60
+
+
+def test_a_slow_start_is_not_killed_by_a_liveness_probe() -> None:
+    """Kubernetes holds a container's livenessProbe until its startupProbe
+    succeeds: every container with a liveness probe needs a startup probe on
+    the same check that allows SLOW_START_S."""
+    live = set()
+    for path in sorted((ROOT / "deploy" / "k8s").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc["kind"] not in ("Deployment", "StatefulSet"):
+                continue
+            for container in doc["spec"]["template"]["spec"]["containers"]:
+                liveness = container.get("livenessProbe")
+                if liveness is None:
+                    continue
+                live.add(container["name"])
+                startup = container.get("startupProbe")
+                assert startup is not None, f"{path.name}: no startupProbe"
+                assert startup["grpc"] == liveness["grpc"], path.name
+                # Kubernetes' defaults: every 10 s, 3 failures.
+                allowed = startup.get("periodSeconds", 10) * startup.get(
+                    "failureThreshold", 3
+                )
+                assert allowed >= SLOW_START_S, f"{path.name}: {allowed} s"
+    assert "engine" in live
+
+
+def test_compose_waits_out_a_slow_engine_start() -> None:
+    """The batcher starts once the engine is healthy: the engine's
+    healthcheck must not call it unhealthy (and fail `docker compose up`)
+    while it warms up. Failures in start_period do not count."""
+    engine = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"][
+        "engine"
+    ]
+    start_period = engine["healthcheck"].get("start_period", "0s")
+    assert seconds(start_period) >= SLOW_START_S, start_period
+
+
+def seconds(duration: str) -> int:
+    """A compose duration ("30m", "1h30m", "90s") in seconds."""
+    parts = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", duration)
+    assert parts is not None and duration, f"not a duration: {duration!r}"
+    hours, minutes, secs = (int(p or 0) for p in parts.groups())
+    return hours * 3600 + minutes * 60 + secs

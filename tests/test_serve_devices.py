@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from services.cli import engine_devices, parse_gpu_list, serve_devices
+from tests.stack import ROOT
 
 TWO_GPUS = """\
 GPU 0: NVIDIA H200 (UUID: GPU-3f2a9c1e-0000-1111-2222-333344445555)
@@ -94,3 +98,30 @@ def test_cpu_defaults_count_the_cpus_this_process_may_use() -> None:
     finally:
         os.sched_setaffinity(0, allowed)
     assert cpus_available() == len(allowed)
+
+
+@pytest.mark.parametrize(
+    ("device", "says"),
+    [("cuda:7", "--device cuda:7: this machine shows 2 GPU"), ("gpu1", "not 'gpu1'")],
+)
+def test_a_device_serve_cannot_use_is_refused_before_models_are_built(
+    tmp_path: Path, device: str, says: str
+) -> None:
+    """Building the default models takes a while (minutes with a first GPU
+    export): a --device that cannot work is refused first, with nothing
+    built in the (empty) model repository."""
+    repository = tmp_path / "repository"
+    repository.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "BERTH_BUILD_MODELS"}
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", "serve", "--device", device]
+        + ["--model-repository", str(repository), "--build-models"],
+        cwd=ROOT,
+        env={**env, "CUDA_VISIBLE_DEVICES": "0,1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert says in done.stderr, done.stderr
+    assert not list(repository.iterdir()), "models were built first"

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -18,13 +20,20 @@ from tests.stack import ROOT, Stack, _free_run, children
 
 
 def test_a_child_that_dies_while_starting_is_restarted(repository: Path) -> None:
-    # engine-0's /metrics port (base + 2) is taken when it starts: it exits.
+    # engine-0's /metrics port (base + 2) is taken after serve checked its
+    # ports (a port taken before that is refused: test_serve_ports.py) and
+    # before engine-0 listens on it (held stopped meanwhile): it exits.
     base = _free_run(4)
     held = socket.socket()
-    held.bind(("127.0.0.1", base + 2))
-    held.listen()
     stack = Stack(repository, extra_args=["--metrics-port", str(base)])
     try:
+        engine = engine_pid(stack)
+        os.kill(engine, signal.SIGSTOP)
+        try:
+            held.bind(("127.0.0.1", base + 2))
+            held.listen()
+        finally:
+            os.kill(engine, signal.SIGCONT)
         deadline = time.monotonic() + 60
         while "engine-0 exited with code 1" not in stack.logs():
             assert stack.proc.poll() is None, stack.logs()
@@ -39,6 +48,18 @@ def test_a_child_that_dies_while_starting_is_restarted(repository: Path) -> None
         held.close()
         code = stack.stop()
     assert code == 0, stack.logs()
+
+
+def engine_pid(stack: Stack, timeout: float = 30) -> int:
+    """engine-0's pid, as soon as serve has started it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        started = re.search(r"started engine-0 \(pid (\d+)\)", stack.logs())
+        if started:
+            return int(started.group(1))
+        assert stack.proc.poll() is None, stack.logs()
+        time.sleep(0.01)
+    raise TimeoutError(f"engine-0 not started:\n{stack.logs()}")
 
 
 def test_a_child_that_cannot_start_fails_serve(tmp_path: Path) -> None:
