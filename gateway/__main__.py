@@ -171,7 +171,7 @@ async def main(args: argparse.Namespace) -> None:
     server.add_servicer(
         berth_pb2.DESCRIPTOR.services_by_name["Berth"], BerthService(gateway)
     )
-    KServeService(gateway).add_to_server(server.server)
+    KServeService(gateway).add_to_server(server)
     await server.start()
     log.info(
         "gateway models: %s; %s",

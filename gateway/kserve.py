@@ -13,7 +13,13 @@ Outputs go out as ``raw_output_contents`` (what Triton does and what
 tritonclient reads), or typed contents when the request sets the parameter
 ``binary_data_output`` (or every requested output's ``binary_data``) to
 false. Request parameters ``truncate`` and ``normalize`` map onto berth's
-options. Requests share the gateway's admission bound and response cache.
+options. Requests share the gateway's admission bound and response cache,
+and count in its Prometheus request metrics (api ``kserve`` for ModelInfer,
+``kserve_stream`` for ModelStreamInfer; outcomes and stage times as for
+berth's own API). ModelStatistics reports the model's statistics
+(gateway/metrics.py ``model_stats``), shared with berth's own API: as in
+Triton, they are meant to count every inference of the model, whatever API
+it came by.
 
 The classification extension works as in Triton: a requested FP32 output
 with the parameter ``classification`` = k (tritonclient's ``class_count``)
@@ -33,7 +39,9 @@ from importlib import metadata
 import grpc
 import numpy as np
 
-from gateway.service import TRACER, Gateway, Model
+from gateway import metrics
+from gateway.metrics import ModelStats
+from gateway.service import TRACER, Gateway, Model, outcome_of
 from services.errors import (
     BerthError,
     InvalidInput,
@@ -44,8 +52,9 @@ from services.errors import (
 from services.proto.berth.v1 import berth_pb2
 from services.proto.inference import grpc_service_pb2 as pb
 from services.proto.inference import grpc_service_pb2_grpc as pb_grpc
+from services.server import ServiceServer
 from services.streams import serve_stream
-from services.telemetry import server_span
+from services.telemetry import record_error, server_span
 
 log = logging.getLogger("berth.gateway")
 
@@ -307,76 +316,30 @@ def duration(count: int, ns: int) -> pb.StatisticDuration:
     return pb.StatisticDuration(count=count, ns=ns)
 
 
-@dataclass
-class ModelStats:
-    """Counts and cumulative durations of one model's KServe requests.
-
-    A request "executes" when at least one of its texts goes to the batcher;
-    one answered wholly from the response cache is a cache hit and adds to
-    neither queue nor compute. Durations are nanoseconds.
-    """
-
-    success: int = 0
-    success_ns: int = 0
-    fail: int = 0
-    fail_ns: int = 0
-    executions: int = 0
-    queue_ns: int = 0
-    input_ns: int = 0
-    infer_ns: int = 0
-    output_ns: int = 0
-    texts: int = 0
-    cache_hits: int = 0
-    cache_hit_ns: int = 0
-    cache_misses: int = 0
-    cache_miss_ns: int = 0
-    last_ms: int = 0
-
-    def succeeded(
-        self, texts: int, timings: berth_pb2.Timings, run_ns: int, output_ns: int
-    ) -> None:
-        total_ns = run_ns + output_ns
-        self.success += 1
-        self.success_ns += total_ns
-        self.texts += texts
-        self.output_ns += output_ns
-        self.last_ms = time.time_ns() // 1_000_000
-        if timings.tokenize_us == 0:  # nothing was tokenized: all cached
-            self.cache_hits += 1
-            self.cache_hit_ns += total_ns
-            return
-        self.cache_misses += 1
-        self.cache_miss_ns += total_ns
-        self.executions += 1
-        self.input_ns += timings.tokenize_us * 1000
-        self.queue_ns += timings.queue_us * 1000
-        self.infer_ns += timings.inference_us * 1000
-
-    def failed(self, ns: int) -> None:
-        self.fail += 1
-        self.fail_ns += ns
-        self.last_ms = time.time_ns() // 1_000_000
-
-    def to_proto(self, name: str, cached: bool) -> pb.ModelStatistics:
-        stats = pb.InferStatistics(
-            success=duration(self.success, self.success_ns),
-            fail=duration(self.fail, self.fail_ns),
-            queue=duration(self.executions, self.queue_ns),
-            compute_input=duration(self.executions, self.input_ns),
-            compute_infer=duration(self.executions, self.infer_ns),
-            compute_output=duration(self.success, self.output_ns),
+def statistics_of(name: str, stats: ModelStats, cached: bool) -> pb.ModelStatistics:
+    """A model's statistics as ModelStatistics reports them; the cache
+    durations only where the response cache is on."""
+    infer_stats = pb.InferStatistics(
+        success=duration(stats.success, stats.success_ns),
+        fail=duration(stats.fail, stats.fail_ns),
+        queue=duration(stats.executions, stats.queue_ns),
+        compute_input=duration(stats.executions, stats.input_ns),
+        compute_infer=duration(stats.executions, stats.infer_ns),
+        compute_output=duration(stats.success, stats.output_ns),
+    )
+    if cached:
+        infer_stats.cache_hit.CopyFrom(duration(stats.cache_hits, stats.cache_hit_ns))
+        infer_stats.cache_miss.CopyFrom(
+            duration(stats.cache_misses, stats.cache_miss_ns)
         )
-        if cached:
-            stats.cache_hit.CopyFrom(duration(self.cache_hits, self.cache_hit_ns))
-            stats.cache_miss.CopyFrom(duration(self.cache_misses, self.cache_miss_ns))
-        return pb.ModelStatistics(
-            name=name,
-            version=VERSION,
-            last_inference=self.last_ms,
-            inference_count=self.texts,
-            execution_count=self.executions,
-            inference_stats=stats,
-        )
+    return pb.ModelStatistics(
+        name=name,
+        version=VERSION,
+        last_inference=stats.last_ms,
+        inference_count=stats.texts,
+        execution_count=stats.executions,
+        inference_stats=infer_stats,
+    )
 
 
 class KServe:
@@ -384,7 +347,6 @@ class KServe:
 
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
-        self.stats = {name: ModelStats() for name in gateway.models}
 
     def model(self, name: str, version: str) -> Model:
         model = self.gateway.models.get(name)
@@ -413,10 +375,33 @@ class KServe:
         return all(healthy.get(n, False) for n in wanted)
 
     async def infer(
-        self, request: pb.ModelInferRequest, timeout_s: float | None
+        self, request: pb.ModelInferRequest, timeout_s: float | None, api: str
     ) -> pb.ModelInferResponse:
+        """One request, counted in the gateway's request metrics as berth's
+        own calls are (``api``: kserve for ModelInfer, kserve_stream for
+        ModelStreamInfer) and in its model's statistics."""
+        name = request.model_name
+        label = name if name in self.gateway.models else "unknown"
+        metrics.IN_FLIGHT.inc()
+        try:
+            response, timings, degraded = await self._infer(request, timeout_s)
+        except BerthError as exc:
+            metrics.count_request(label, api, outcome_of(exc))
+            raise
+        except Exception:
+            metrics.count_request(label, api, "failed")
+            raise
+        finally:
+            metrics.IN_FLIGHT.dec()
+        metrics.count_request(label, api, "degraded" if degraded else "ok", timings)
+        return response
+
+    async def _infer(
+        self, request: pb.ModelInferRequest, timeout_s: float | None
+    ) -> tuple[pb.ModelInferResponse, berth_pb2.Timings, bool]:
+        """The response, its stage timings, and whether it is degraded."""
         model = self.model(request.model_name, request.model_version)
-        stats = self.stats[model.entry.name]
+        stats = metrics.model_stats(model.entry.name)
         t0 = time.perf_counter_ns()
         try:
             with self.gateway.admission:
@@ -434,7 +419,7 @@ class KServe:
             stats.failed(time.perf_counter_ns() - t0)
             raise
         stats.succeeded(len(texts), timings, t1 - t0, time.perf_counter_ns() - t1)
-        return response
+        return response, timings, answer.degraded
 
     def metadata(self, model: Model) -> pb.ModelMetadataResponse:
         meta = pb.ModelMetadataResponse.TensorMetadata
@@ -475,10 +460,12 @@ class KServe:
         )
 
     def statistics(self, name: str, version: str) -> pb.ModelStatisticsResponse:
-        names = [self.model(name, version).entry.name] if name else list(self.stats)
+        names = [self.model(name, version).entry.name] if name else self.gateway.models
         cached = self.gateway.cache.enabled
         return pb.ModelStatisticsResponse(
-            model_stats=[self.stats[n].to_proto(n, cached) for n in names]
+            model_stats=[
+                statistics_of(n, metrics.model_stats(n), cached) for n in names
+            ]
         )
 
 
@@ -488,8 +475,11 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
     def __init__(self, gateway: Gateway) -> None:
         self.kserve = KServe(gateway)
 
-    def add_to_server(self, server: grpc.aio.Server) -> None:
-        pb_grpc.add_GRPCInferenceServiceServicer_to_server(self, server)
+    def add_to_server(self, server: ServiceServer) -> None:
+        """Registered as berth's own service is (ServiceServer.add_servicer):
+        a unary request gRPC cannot parse is INVALID_ARGUMENT, not UNKNOWN."""
+        service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+        server.add_servicer(service, self)
 
     async def ServerLive(
         self, request: pb.ServerLiveRequest, context: grpc.aio.ServicerContext
@@ -560,7 +550,9 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
             {"berth.model": request.model_name},
         ):
             try:
-                return await self.kserve.infer(request, context.time_remaining())
+                return await self.kserve.infer(
+                    request, context.time_remaining(), "kserve"
+                )
             except BerthError as exc:
                 await abort(context, exc)
                 raise
@@ -576,16 +568,18 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
             # A span per request, under the caller's trace (see berth's Stream).
             attributes = {"berth.model": request.model_name}
             name = f"{SERVICE_NAME}/ModelStreamInfer"
-            with server_span(TRACER, name, metadata, attributes):
+            with server_span(TRACER, name, metadata, attributes) as span:
                 try:
                     response = await self.kserve.infer(
-                        request, context.time_remaining()
+                        request, context.time_remaining(), "kserve_stream"
                     )
                     return pb.ModelStreamInferResponse(infer_response=response)
                 except Exception as exc:
                     # The stream stays open; the id lets the caller match the error.
                     what = f"ModelStreamInfer request {request.id!r}"
                     error = as_berth_error(exc, log, what)
+                    if span is not None:  # the error is answered, not raised
+                        record_error(span, error)
                     failed = pb.ModelInferResponse(
                         model_name=request.model_name, id=request.id
                     )

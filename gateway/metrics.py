@@ -1,11 +1,17 @@
-"""The gateway's Prometheus metrics."""
+"""The gateway's Prometheus metrics, and the per-model statistics KServe's
+ModelStatistics reports."""
 
 from __future__ import annotations
+
+import time
+from dataclasses import dataclass
 
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.metrics import LATENCY_BUCKETS, Memo
+from services.proto.berth.v1 import berth_pb2
 
+# api: embed, classify, stream (berth.v1); kserve, kserve_stream (KServe v2)
 # outcome: ok, invalid, shed, degraded, failed
 REQUESTS = Memo(
     Counter(
@@ -38,3 +44,91 @@ FALLBACKS = Memo(
         ["model", "reason"],
     )
 )
+
+STAGES = ("tokenize", "queue", "inference", "total")
+
+
+def count_request(
+    model: str, api: str, outcome: str, timings: berth_pb2.Timings | None = None
+) -> None:
+    """One finished request of any API (berth's embed, classify, stream;
+    KServe's kserve, kserve_stream) by its outcome, and, for one that was
+    answered, its stage times (``timings``)."""
+    REQUESTS.labels(model, api, outcome).inc()
+    if timings is None:
+        return
+    for stage, us in zip(
+        STAGES,
+        (timings.tokenize_us, timings.queue_us, timings.inference_us, timings.total_us),
+        strict=True,
+    ):
+        STAGE_SECONDS.labels(model, stage).observe(us / 1e6)
+
+
+@dataclass
+class ModelStats:
+    """Counts and cumulative durations of one model's inference requests, for
+    KServe's ModelStatistics (gateway/kserve.py). Triton's statistics are
+    the model's, whatever protocol a request came by, so every API's
+    requests belong here: KServe's are recorded by gateway/kserve.py,
+    berth's own are to be recorded by Gateway.counted (gateway/service.py).
+
+    A request "executes" when at least one of its texts goes to the batcher;
+    one answered wholly from the response cache is a cache hit and adds to
+    neither queue nor compute. Durations are nanoseconds.
+    """
+
+    success: int = 0
+    success_ns: int = 0
+    fail: int = 0
+    fail_ns: int = 0
+    executions: int = 0
+    queue_ns: int = 0
+    input_ns: int = 0
+    infer_ns: int = 0
+    output_ns: int = 0
+    texts: int = 0
+    cache_hits: int = 0
+    cache_hit_ns: int = 0
+    cache_misses: int = 0
+    cache_miss_ns: int = 0
+    last_ms: int = 0
+
+    def succeeded(
+        self, texts: int, timings: berth_pb2.Timings, run_ns: int, output_ns: int
+    ) -> None:
+        """An answered request: ``run_ns`` until its outputs were computed,
+        ``output_ns`` to shape them into the response."""
+        total_ns = run_ns + output_ns
+        self.success += 1
+        self.success_ns += total_ns
+        self.texts += texts
+        self.output_ns += output_ns
+        self.last_ms = time.time_ns() // 1_000_000
+        if timings.tokenize_us == 0:  # nothing was tokenized: all cached
+            self.cache_hits += 1
+            self.cache_hit_ns += total_ns
+            return
+        self.cache_misses += 1
+        self.cache_miss_ns += total_ns
+        self.executions += 1
+        self.input_ns += timings.tokenize_us * 1000
+        self.queue_ns += timings.queue_us * 1000
+        self.infer_ns += timings.inference_us * 1000
+
+    def failed(self, ns: int) -> None:
+        self.fail += 1
+        self.fail_ns += ns
+        self.last_ms = time.time_ns() // 1_000_000
+
+
+# Per model name, shared by every API of this gateway process.
+_MODEL_STATS: dict[str, ModelStats] = {}
+
+
+def model_stats(model: str) -> ModelStats:
+    """The statistics of a served model (made at first use)."""
+    stats = _MODEL_STATS.get(model)
+    if stats is None:
+        stats = _MODEL_STATS[model] = ModelStats()
+    return stats

@@ -33,7 +33,13 @@ from services.errors import (
 from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
 from services.repository import ModelEntry
 from services.streams import serve_stream
-from services.telemetry import inject, server_span, span_if_recording, tracer
+from services.telemetry import (
+    inject,
+    record_error,
+    server_span,
+    span_if_recording,
+    tracer,
+)
 
 log = logging.getLogger("berth.gateway")
 TRACER = tracer("gateway")
@@ -357,28 +363,35 @@ class Gateway:
         return time.monotonic() - t0
 
     async def counted(
-        self, api: str, model: str, work: Awaitable[Response]
+        self, api: str, model: str, texts: int, work: Awaitable[Response]
     ) -> Response:
-        """Await one request, counting its outcome and stage times."""
-        label = model if model in self.models else "unknown"
+        """Await one request of ``texts`` texts, counting its outcome and
+        stage times, and in its model's statistics (KServe's
+        ModelStatistics: as in Triton, every inference of a model counts,
+        whatever API it came by)."""
+        known = model in self.models
+        label = model if known else "unknown"
         metrics.IN_FLIGHT.inc()
+        metrics.TEXTS.labels(label).inc(texts)
+        t0 = time.perf_counter_ns()
         try:
             response = await work
-        except BerthError as exc:
-            metrics.REQUESTS.labels(label, api, outcome_of(exc)).inc()
+        except Exception as exc:
+            outcome = outcome_of(exc) if isinstance(exc, BerthError) else "failed"
+            metrics.count_request(label, api, outcome)
+            if known:
+                metrics.model_stats(label).failed(time.perf_counter_ns() - t0)
             raise
         finally:
             metrics.IN_FLIGHT.dec()
         outcome = "degraded" if response.degraded else "ok"
-        metrics.REQUESTS.labels(label, api, outcome).inc()
-        t = response.timings
-        for stage, us in (
-            ("tokenize", t.tokenize_us),
-            ("queue", t.queue_us),
-            ("inference", t.inference_us),
-            ("total", t.total_us),
-        ):
-            metrics.STAGE_SECONDS.labels(label, stage).observe(us / 1e6)
+        metrics.count_request(label, api, outcome, response.timings)
+        if known:
+            run_ns = response.timings.total_us * 1000
+            output_ns = max(0, time.perf_counter_ns() - t0 - run_ns)
+            metrics.model_stats(label).succeeded(
+                texts, response.timings, run_ns, output_ns
+            )
         return response
 
     async def embed(
@@ -480,19 +493,24 @@ class BerthService(berth_pb2_grpc.BerthServicer):
         self, request: berth_pb2.EmbedRequest, context: grpc.aio.ServicerContext
     ) -> berth_pb2.EmbedResponse:
         work = self.gateway.embed(request, context.time_remaining())
-        return await self._unary("Embed", "embed", request.model, work, context)
+        texts = len(request.texts)
+        return await self._unary("Embed", "embed", request.model, texts, work, context)
 
     async def Classify(
         self, request: berth_pb2.ClassifyRequest, context: grpc.aio.ServicerContext
     ) -> berth_pb2.ClassifyResponse:
         work = self.gateway.classify(request, context.time_remaining())
-        return await self._unary("Classify", "classify", request.model, work, context)
+        texts = len(request.texts)
+        return await self._unary(
+            "Classify", "classify", request.model, texts, work, context
+        )
 
     async def _unary(
         self,
         method: str,
         api: str,
         model: str,
+        texts: int,
         work: Awaitable[Response],
         context: grpc.aio.ServicerContext,
     ) -> Response:
@@ -504,7 +522,7 @@ class BerthService(berth_pb2_grpc.BerthServicer):
             {"berth.model": model},
         ):
             try:
-                response = await self.gateway.counted(api, model, work)
+                response = await self.gateway.counted(api, model, texts, work)
             except BerthError as exc:
                 await abort(context, exc)
                 raise  # unreachable: abort raises
@@ -543,12 +561,16 @@ class BerthService(berth_pb2_grpc.BerthServicer):
             # A span per request, under the caller's trace (the stream's
             # metadata), so the hops behind it join that trace.
             attributes = {"berth.model": inner.model}
-            with server_span(TRACER, "berth.v1.Berth/Stream", metadata, attributes):
+            with server_span(
+                TRACER, "berth.v1.Berth/Stream", metadata, attributes
+            ) as span:
                 try:
+                    texts = len(inner.texts)
                     if kind == "embed":
                         e = await self.gateway.counted(
                             "stream",
                             inner.model,
+                            texts,
                             self.gateway.embed(request.embed, context.time_remaining()),
                         )
                         return berth_pb2.StreamResponse(embed=e)
@@ -556,6 +578,7 @@ class BerthService(berth_pb2_grpc.BerthServicer):
                         c = await self.gateway.counted(
                             "stream",
                             inner.model,
+                            texts,
                             self.gateway.classify(
                                 request.classify, context.time_remaining()
                             ),
@@ -565,6 +588,8 @@ class BerthService(berth_pb2_grpc.BerthServicer):
                 except Exception as exc:  # answered, and the stream stays open
                     what = f"Stream request {inner.request_id!r}"
                     error = as_berth_error(exc, log, what)
+                    if span is not None:  # the error is answered, not raised
+                        record_error(span, error)
                     return berth_pb2.StreamResponse(
                         error=berth_pb2.StreamError(
                             request_id=inner.request_id,

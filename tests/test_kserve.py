@@ -24,6 +24,7 @@ from tritonclient.utils import InferenceServerException
 from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
 from services.repository import load_entry
 from tests.stack import Stack, health, stream_raw
+from tests.test_observability import scrape, value
 from tests.texts import VARIED
 
 
@@ -384,6 +385,34 @@ def test_stream_with_a_malformed_message_ends_with_invalid_argument(
     assert [(a.error_message, a.infer_response.id) for a in answers] == [("", "good")]
 
 
+def test_a_unary_request_that_cannot_be_parsed_is_invalid_argument(
+    stack: Stack, tc: triton.InferenceServerClient
+) -> None:
+    """A ModelInfer request gRPC cannot parse (a model name that is not
+    UTF-8) is the caller's mistake: INVALID_ARGUMENT naming the message type
+    (before: UNKNOWN from gRPC's deserializer), and the gateway serves on."""
+    import grpc
+
+    request = service_pb2.ModelInferRequest(model_name="minilm")
+    tensor = request.inputs.add(name="TEXT", datatype="BYTES", shape=[1])
+    tensor.contents.bytes_contents.append(b"a text")
+    bad = request.SerializeToString().replace(b"minilm", b"min\xfflm")
+    with grpc.insecure_channel(stack.gateway) as channel:
+        call = channel.unary_unary(
+            "/inference.GRPCInferenceService/ModelInfer",
+            request_serializer=None,  # the bytes go as they are
+            response_deserializer=service_pb2.ModelInferResponse.FromString,
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            call(bad, timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    details = info.value.details() or ""
+    assert "could not be parsed as inference.ModelInferRequest" in details, details
+    result = tc.infer("minilm", [text_input(["after a bad call"])])
+    assert result.as_numpy("EMBEDDING").shape == (1, 384)
+    assert health(stack.gateway) == "SERVING"
+
+
 def busy_texts(n: int = 32) -> list[str]:
     """Texts no other call sent, long enough to keep the engine busy a while."""
     tag = uuid.uuid4().hex
@@ -482,3 +511,111 @@ def test_health_and_reflection_know_the_service(stack: Stack) -> None:
         reply = next(iter(stub.ServerReflectionInfo(iter([request]), timeout=10)))
     names = {s.name for s in reply.list_services_response.service}
     assert "inference.GRPCInferenceService" in names
+
+
+def requests(samples: dict[str, float], model: str, api: str, outcome: str) -> float:
+    """berth_gateway_requests_total of one model, API and outcome."""
+    labels = "".join(
+        f'(?=.*{k}="{v}")'
+        for k, v in (("model", model), ("api", api), ("outcome", outcome))
+    )
+    return value(samples, rf"berth_gateway_requests_total\{{{labels}.*\}}")
+
+
+def stage_count(samples: dict[str, float], model: str, stage: str) -> float:
+    labels = f'(?=.*model="{model}")(?=.*stage="{stage}")'
+    return value(samples, rf"berth_gateway_stage_seconds_count\{{{labels}.*\}}")
+
+
+def test_prometheus_counts_kserve_requests_by_api_and_outcome(
+    stack: Stack, tc: triton.InferenceServerClient
+) -> None:
+    """ModelInfer and ModelStreamInfer are in berth's request metrics, with
+    api "kserve" and "kserve_stream", the outcomes of berth's own API, and
+    the stage times of the answered ones."""
+    url = stack.metrics[0]  # the gateway's /metrics
+    before = scrape(url)
+    tag = uuid.uuid4().hex
+    tc.infer("minilm", [text_input([f"{tag} one", f"{tag} two"])])
+    tc.infer("minilm", [text_input([f"{tag} one"])])  # a cache hit: ok too
+    status, _ = status_of(tc.infer, "minilm", [text_input([""])])
+    assert status == "StatusCode.INVALID_ARGUMENT"
+    status, _ = status_of(tc.infer, "nope", [text_input(["who?"])])
+    assert status == "StatusCode.NOT_FOUND"
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    tc.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        tc.async_stream_infer("intent", [text_input([f"{tag} set an alarm"])])
+        tc.async_stream_infer("minilm", [text_input([""])])
+        got = [answers.get(timeout=60) for _ in range(2)]
+    finally:
+        tc.stop_stream()
+    assert [e is None for _, e in got] == [True, False]
+    after = scrape(url)
+
+    def delta(model: str, api: str, outcome: str) -> float:
+        return requests(after, model, api, outcome) - requests(
+            before, model, api, outcome
+        )
+
+    assert delta("minilm", "kserve", "ok") == 2
+    assert delta("minilm", "kserve", "invalid") == 1
+    assert delta("unknown", "kserve", "invalid") == 1
+    assert delta("intent", "kserve_stream", "ok") == 1
+    assert delta("minilm", "kserve_stream", "invalid") == 1
+    for outcome in ("degraded", "shed", "failed"):
+        assert delta("minilm", "kserve", outcome) == 0
+    # Berth's own API labels are untouched by KServe calls.
+    for api in ("embed", "classify", "stream"):
+        assert delta("minilm", api, "ok") == delta("intent", api, "ok") == 0
+    for stage in ("tokenize", "queue", "inference", "total"):
+        minilm = stage_count(after, "minilm", stage) - stage_count(
+            before, "minilm", stage
+        )
+        intent = stage_count(after, "intent", stage) - stage_count(
+            before, "intent", stage
+        )
+        assert (minilm, intent) == (2, 1), stage
+    assert value(after, "berth_gateway_requests_in_flight") == 0
+
+
+def test_statistics_count_berth_api_calls_too(
+    tc: triton.InferenceServerClient, client: berth_pb2_grpc.BerthStub
+) -> None:
+    """Triton's statistics are the model's, whatever protocol the request
+    came by (docs/protocol/extension_statistics.md: "all activity occurring
+    for a specific model"): berth's Embed, Classify and Stream count too."""
+    import grpc
+
+    def stats(name: str) -> Any:
+        (model,) = tc.get_inference_statistics(name).model_stats
+        return model
+
+    before = {name: stats(name) for name in ("minilm", "intent")}
+    tag = uuid.uuid4().hex
+    client.Embed(berth_pb2.EmbedRequest(model="minilm", texts=[f"{tag} a", f"{tag} b"]))
+    client.Classify(berth_pb2.ClassifyRequest(model="intent", texts=[f"{tag} alarm"]))
+    (reply,) = client.Stream(
+        iter(
+            [
+                berth_pb2.StreamRequest(
+                    embed=berth_pb2.EmbedRequest(model="minilm", texts=[f"{tag} a"])
+                )
+            ]
+        ),
+        timeout=30,
+    )
+    assert reply.WhichOneof("response") == "embed"
+    with pytest.raises(grpc.RpcError):
+        client.Embed(berth_pb2.EmbedRequest(model="minilm", texts=[""]))
+    after = {name: stats(name) for name in ("minilm", "intent")}
+    m0, m1 = before["minilm"], after["minilm"]
+    s0, s1 = m0.inference_stats, m1.inference_stats
+    assert s1.success.count - s0.success.count == 2  # Embed and Stream
+    assert s1.fail.count - s0.fail.count == 1
+    assert s1.cache_hit.count - s0.cache_hit.count == 1  # the Stream's text
+    assert m1.inference_count - m0.inference_count == 3
+    assert m1.execution_count - m0.execution_count == 1
+    i0, i1 = before["intent"], after["intent"]
+    assert i1.inference_stats.success.count - i0.inference_stats.success.count == 1
+    assert i1.inference_count - i0.inference_count == 1

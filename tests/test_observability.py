@@ -124,15 +124,44 @@ def test_a_stream_call_joins_the_callers_trace(
         (reply,) = stub.Stream(iter([request]), metadata=metadata, timeout=30)
         assert reply.WhichOneof("response") == "embed"
 
-    def queued() -> list[ReceivedSpan]:
-        spans = receiver.snapshot()
-        return [s for s in spans if s.name == "batcher.queue"]
+    def in_request() -> list[ReceivedSpan]:
+        return [s for s in receiver.snapshot() if s.trace_id == trace_id]
 
-    wait_for(lambda: any(s.trace_id == trace_id for s in queued()), timeout=10)
-    in_request = [s for s in receiver.snapshot() if s.trace_id == trace_id]
-    assert any(s.name == "batcher.queue" for s in in_request), in_request
-    root = [s for s in in_request if s.parent_id == CLIENT_SPAN]
-    assert len(root) == 1 and root[0].service == "gateway", in_request
+    # Both the queue span and the gateway's own: services export on their
+    # own schedules, so the one seen first says nothing of the other.
+    wait_for(
+        lambda: (
+            {"batcher.queue", "berth.v1.Berth/Stream"} <= {s.name for s in in_request()}
+        ),
+        timeout=10,
+    )
+    root = [s for s in in_request() if s.parent_id == CLIENT_SPAN]
+    assert len(root) == 1 and root[0].service == "gateway", in_request()
+
+
+def test_a_failed_stream_request_marks_its_span(
+    traced: tuple[Stack, Receiver],
+) -> None:
+    """A Stream request answered with an error (the stream stays open) marks
+    its span as an error, as a failed Embed call does."""
+    stack, receiver = traced
+    trace_id = "3af7651916cd43dd8448eb211c80319c"
+    metadata = (("traceparent", f"00-{trace_id}-{CLIENT_SPAN}-01"),)
+    with grpc.insecure_channel(stack.gateway) as channel:
+        stub = berth_pb2_grpc.BerthStub(channel)
+        request = berth_pb2.StreamRequest(
+            embed=berth_pb2.EmbedRequest(model="minilm", texts=[""])
+        )
+        (reply,) = stub.Stream(iter([request]), metadata=metadata, timeout=30)
+        assert reply.error.code == "INVALID_ARGUMENT"
+    spans = wait_for(
+        lambda: [
+            s
+            for s in receiver.snapshot()
+            if s.trace_id == trace_id and s.name == "berth.v1.Berth/Stream"
+        ]
+    )
+    assert [s.status_code for s in spans] == [2]  # STATUS_CODE_ERROR
 
 
 def test_errors_mark_the_span(traced: tuple[Stack, Receiver]) -> None:
