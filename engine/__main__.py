@@ -15,7 +15,7 @@ from services.logs import setup_logging
 from services.loop import run
 from services.metrics import serve_metrics
 from services.proto.berth.v1 import internal_pb2, internal_pb2_grpc
-from services.repository import RepositoryError, load_repository
+from services.repository import ModelEntry, RepositoryError, load_repository
 from services.server import ServiceServer
 from services.telemetry import setup_tracing, shutdown_tracing
 
@@ -75,25 +75,35 @@ async def main(args: argparse.Namespace) -> None:
         )
         log.warning("chaos hooks on: SIGUSR1 toggles failing every batch")
     for name, entry in models.items():
+        own = router.backend_for(name)  # this model's, when models differ
         log.info(
             "loading %s (%s) from %s on %s with %s",
             name,
             entry.task,
             entry.checkpoint_dir,
-            backend.device,
-            backend.name,
+            own.device,
+            own.name,
         )
         await asyncio.to_thread(backend.load, entry)
-        if backend.device == "cpu":  # eager: one small warm-up per length
-            shapes = [(1, length) for length in entry.buckets]
-        else:  # every shape the batcher may send, before SERVING
-            shapes = bucket_shapes(entry.buckets, args.max_batch, args.token_budget)
+        shapes = warmup_shapes(own.device, entry, args.max_batch, args.token_budget)
         await asyncio.to_thread(backend.warmup, name, shapes)
     service.ready = True
     await server.set_serving(True)
     log.info("engine SERVING %s on %s", ", ".join(models), server.address)
     await server.run_until_signalled(grace_s=args.drain_timeout_s)
     shutdown_tracing()
+
+
+def warmup_shapes(
+    device: str, entry: ModelEntry, max_batch: int, token_budget: int
+) -> list[tuple[int, int]]:
+    """What a model is warmed up with before SERVING, by its own backend's
+    device (in an engine serving one model on the CPU and another on a GPU,
+    each gets its own): on a GPU every shape the batcher may send (a CUDA
+    graph each); on the CPU one small batch per length (eager)."""
+    if device == "cpu":
+        return [(1, length) for length in entry.buckets]
+    return bucket_shapes(entry.buckets, max_batch, token_budget)
 
 
 if __name__ == "__main__":

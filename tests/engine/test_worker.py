@@ -20,3 +20,18 @@ def test_an_unknown_model_in_models_is_named(repository: Path) -> None:
     assert done.returncode != 0
     last = done.stderr.strip().splitlines()[-1]
     assert "--models" in last and "'nope'" in last and "intent" in last, last
+
+
+def test_each_model_is_warmed_up_for_its_own_device() -> None:
+    """An engine may serve one model on the CPU (onnxruntime) and another on
+    a GPU: each gets its own backend's warm-up, a CUDA graph per batch shape
+    on the GPU, one small eager batch per length on the CPU."""
+    from engine.__main__ import warmup_shapes
+    from engine.cuda_graphs import bucket_shapes
+    from services.repository import ModelEntry
+
+    entry = ModelEntry(name="m", task="embed", checkpoint="/x", buckets=[16, 64])
+    assert warmup_shapes("cpu", entry, 8, 512) == [(1, 16), (1, 64)]
+    on_gpu = warmup_shapes("cuda:0", entry, 8, 512)
+    assert on_gpu == bucket_shapes([16, 64], 8, 512)
+    assert (8, 16) in on_gpu and len(on_gpu) > 2
