@@ -322,10 +322,10 @@ def statistics_of(name: str, stats: ModelStats, cached: bool) -> pb.ModelStatist
     infer_stats = pb.InferStatistics(
         success=duration(stats.success, stats.success_ns),
         fail=duration(stats.fail, stats.fail_ns),
-        queue=duration(stats.executions, stats.queue_ns),
+        queue=duration(stats.success, stats.queue_ns),  # a cache hit queues 0 ns
         compute_input=duration(stats.executions, stats.input_ns),
         compute_infer=duration(stats.executions, stats.infer_ns),
-        compute_output=duration(stats.success, stats.output_ns),
+        compute_output=duration(stats.executions, stats.output_ns),
     )
     if cached:
         infer_stats.cache_hit.CopyFrom(duration(stats.cache_hits, stats.cache_hit_ns))

@@ -74,8 +74,10 @@ class ModelStats:
     berth's own are to be recorded by Gateway.counted (gateway/service.py).
 
     A request "executes" when at least one of its texts goes to the batcher;
-    one answered wholly from the response cache is a cache hit and adds to
-    neither queue nor compute. Durations are nanoseconds.
+    one answered wholly from the response cache is a cache hit. As Triton's
+    (server docs/protocol/extension_statistics.md): inference and execution
+    counts and the compute stages leave cache hits out; success and queue
+    count them. Durations are nanoseconds.
     """
 
     success: int = 0
@@ -102,8 +104,6 @@ class ModelStats:
         total_ns = run_ns + output_ns
         self.success += 1
         self.success_ns += total_ns
-        self.texts += texts
-        self.output_ns += output_ns
         self.last_ms = time.time_ns() // 1_000_000
         if timings.tokenize_us == 0:  # nothing was tokenized: all cached
             self.cache_hits += 1
@@ -112,6 +112,8 @@ class ModelStats:
         self.cache_misses += 1
         self.cache_miss_ns += total_ns
         self.executions += 1
+        self.texts += texts
+        self.output_ns += output_ns
         self.input_ns += timings.tokenize_us * 1000
         self.queue_ns += timings.queue_us * 1000
         self.infer_ns += timings.inference_us * 1000
