@@ -21,16 +21,20 @@ CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
 CLIENT_SPAN = "b7ad6b7169203331"
 
 
-@pytest.fixture(scope="module")
-def traced(repository: Path) -> Iterator[tuple[Stack, Receiver]]:
-    receiver = Receiver().start()
-    env = {
+def exporting_to(receiver: Receiver) -> dict[str, str]:
+    """A stack's environment for exporting every span to the receiver soon."""
+    return {
         "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
         "OTEL_EXPORTER_OTLP_INSECURE": "true",
         "OTEL_TRACES_SAMPLER": "parentbased_always_on",
         "OTEL_BSP_SCHEDULE_DELAY": "100",
     }
-    stack = Stack(repository, env=env)
+
+
+@pytest.fixture(scope="module")
+def traced(repository: Path) -> Iterator[tuple[Stack, Receiver]]:
+    receiver = Receiver().start()
+    stack = Stack(repository, env=exporting_to(receiver))
     try:
         stack.wait_serving()
         yield stack, receiver
@@ -239,14 +243,7 @@ def test_the_standard_switches_turn_span_export_off(
     each says why once at start-up. Spans still buffered go out when berth
     stops (shutdown_tracing), so after stop() the receiver has them all."""
     receiver = Receiver().start()
-    env = {
-        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
-        "OTEL_EXPORTER_OTLP_INSECURE": "true",
-        "OTEL_TRACES_SAMPLER": "parentbased_always_on",
-        "OTEL_BSP_SCHEDULE_DELAY": "100",
-        **switch,
-    }
-    stack = Stack(repository, env=env)
+    stack = Stack(repository, env={**exporting_to(receiver), **switch})
     try:
         stack.wait_serving()
         metadata = (("traceparent", f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"),)
