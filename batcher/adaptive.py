@@ -15,6 +15,9 @@ of the reported latency and GPU utilization:
   under ``target x cpu_headroom`` (0.8), as latency is the only load signal.
 * a ceiling is probed again after ``probe_after`` windows stuck under it
   (doubling after each failed probe), so a faster engine is noticed.
+* batches formed before the last size change (in flight when it was made)
+  measured the old size and are not counted: one larger than the size, and
+  after a growth any smaller one until the first of the new size reports.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class _Bucket:
         "latency",
         "utilization",
         "fresh",
+        "grown",
         "reports",
         "full",
         "known_good",
@@ -55,6 +59,7 @@ class _Bucket:
         self.latency = 0.0  # EWMA of latency_s
         self.utilization: float | None = None  # EWMA; None while no reading
         self.fresh = True  # restart the EWMAs at the next report
+        self.grown = False  # grew: no batch of the new size reported yet
         self.reports = 0  # since the last decision
         self.full = 0  # reports of full batches since the last decision
         self.known_good = 0  # largest size that met the target (0: none)
@@ -113,6 +118,11 @@ class AdaptiveSizer:
         """Record one batch's result; return the bucket's (possibly new) size."""
         state = self._buckets[bucket]
         size = self.core.batch_size(bucket)
+        # 0. Skip a batch formed before the last change: larger than the size,
+        # it was formed before a shrink (the core forms none larger).
+        if batch_size > size or (state.grown and batch_size < size):
+            return size
+        state.grown = False
         # 1. Smooth; the first report after a size change restarts the EWMA.
         a = 1.0 if state.fresh else self.alpha
         state.latency += a * (latency_s - state.latency)
@@ -133,6 +143,7 @@ class AdaptiveSizer:
         if new != size:
             new = self.core.set_batch_size(bucket, new)
             state.fresh = True  # the next window measures the new size only
+            state.grown = new > size
             log.info(
                 "%sbucket %d: batch size %d -> %d (latency %.1f ms, target %.1f ms, "
                 "gpu %s)",

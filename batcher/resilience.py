@@ -106,6 +106,10 @@ class CircuitBreaker:
         return True
 
     def record_success(self) -> None:
+        # While open no batch is sent: this one went out before the circuit
+        # opened. Only a probe after the cool-down closes it.
+        if self.state is BreakerState.OPEN:
+            return
         self.failures = 0
         self._set(BreakerState.CLOSED, "a batch succeeded")
 

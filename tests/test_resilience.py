@@ -1,8 +1,24 @@
-"""Circuit breaker and hedge budget, on a fake clock."""
+"""Circuit breaker and hedge budget, on a fake clock; the breaker also
+behind a real scheduler and a loopback engine."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import numpy as np
+
 from batcher.resilience import BreakerState, CircuitBreaker, HedgeBudget
+from batcher.scheduler import SchedulerConfig
+from services.proto.berth.v1 import internal_pb2
+from tests.batcher.test_stuck_engine import (
+    WIDTH,
+    SleepyEngine,
+    sequence,
+    started,
+    stopped,
+)
 
 
 class Clock:
@@ -60,3 +76,112 @@ def test_hedge_budget_caps_extra_batches_at_the_ratio() -> None:
     assert hedged <= 0.1 * 1000 + 2
     assert hedged >= 0.1 * 1000 - 1
     assert budget.sent == hedged
+
+
+def test_a_late_success_does_not_close_an_open_circuit() -> None:
+    """Batches sent before the circuit opened still finish after it did: one
+    that succeeds then must not close it (and skip the cool-down); only a
+    probe after the cool-down may."""
+    clock = Clock()
+    changes: list[BreakerState] = []
+    breaker = CircuitBreaker(
+        "m", threshold=3, cooldown_s=5, clock=clock, on_change=changes.append
+    )
+    for _ in range(3):
+        breaker.record_failure("boom")
+    assert breaker.state is BreakerState.OPEN
+    clock.now += 1.0
+    breaker.record_success()  # a batch dispatched while it was still closed
+    assert breaker.current() is BreakerState.OPEN
+    assert not breaker.allow()
+    clock.now += 4.1  # the cool-down is over: one probe closes it
+    assert breaker.allow() and breaker.state is BreakerState.HALF_OPEN
+    breaker.record_success()
+    assert breaker.state is BreakerState.CLOSED
+    assert changes == [BreakerState.OPEN, BreakerState.HALF_OPEN, BreakerState.CLOSED]
+
+
+class ShortOkLongFails(SleepyEngine):
+    """Answers a batch of the 8-token bucket after ``delay_s``; fails one of
+    the 16-token bucket at once (an engine broken for long inputs)."""
+
+    async def Run(
+        self,
+        request_iterator: AsyncIterator[internal_pb2.EngineRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[internal_pb2.BatchResult]:
+        answers: asyncio.Queue[internal_pb2.BatchResult] = asyncio.Queue()
+
+        async def answer(batch: internal_pb2.Batch) -> None:
+            if batch.length == 16:
+                code = grpc.StatusCode.INTERNAL.value[0]
+                answers.put_nowait(
+                    internal_pb2.BatchResult(id=batch.id, code=code, message="long")
+                )
+                return
+            await asyncio.sleep(self.delay_s)
+            output = np.zeros(batch.batch_size * WIDTH, dtype="<f4").tobytes()
+            answers.put_nowait(
+                internal_pb2.BatchResult(
+                    id=batch.id, output=output, width=WIDTH, gpu_utilization=-1
+                )
+            )
+
+        async def read() -> None:
+            async for request in request_iterator:
+                if request.HasField("batch"):
+                    self.received += 1
+                    tasks.add(asyncio.create_task(answer(request.batch)))
+
+        tasks: set[asyncio.Task[None]] = set()
+        reader = asyncio.create_task(read())
+        try:
+            while True:
+                yield await answers.get()
+        finally:
+            reader.cancel()
+            for task in tasks:
+                task.cancel()
+
+
+def test_a_batch_sent_before_the_circuit_opened_does_not_close_it() -> None:
+    """A short batch is computing when three long ones fail in a row and
+    open the circuit; the short one then succeeds. The circuit stays open
+    (new work refused, the gateway answers from its fallback) for its
+    cool-down: the success says nothing about the batches that failed."""
+
+    async def scenario() -> tuple[list[int], BreakerState, int]:
+        engine = ShortOkLongFails(delay_s=1.0)
+        config = SchedulerConfig(max_delay_s=0.001, breaker_cooldown_s=30)
+        scheduler, pool, servers = await started([engine], 4, config)
+        codes: dict[int, int] = {}
+
+        def deliver(result: internal_pb2.SequenceResult) -> None:
+            codes[result.id] = result.code
+
+        try:
+            scheduler.submit(sequence(1, 5), deliver)  # computing for 1 s
+            for reply_id in (2, 3, 4):  # three long batches, one at a time
+                scheduler.submit(sequence(reply_id, 12), deliver)
+                async with asyncio.timeout(5):
+                    while reply_id not in codes:
+                        await asyncio.sleep(0.005)
+            assert scheduler.breaker.state is BreakerState.OPEN
+            async with asyncio.timeout(5):
+                while 1 not in codes:  # the short batch succeeds
+                    await asyncio.sleep(0.005)
+            state = scheduler.breaker.current()
+            scheduler.submit(sequence(5, 5), deliver)  # refused while open
+            async with asyncio.timeout(5):
+                while 5 not in codes:
+                    await asyncio.sleep(0.005)
+            return [codes[i] for i in range(1, 6)], state, engine.received
+        finally:
+            await stopped(scheduler, pool, servers)
+
+    codes, state, received = asyncio.run(scenario())
+    internal = grpc.StatusCode.INTERNAL.value[0]
+    assert codes[:4] == [0, internal, internal, internal]
+    assert state is BreakerState.OPEN
+    assert codes[4] == grpc.StatusCode.UNAVAILABLE.value[0]
+    assert received == 4  # the fifth never reached the engine

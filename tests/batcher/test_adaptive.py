@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import Counter
+from collections import Counter, deque
 
 import pytest
 
@@ -54,6 +54,25 @@ def drive(
     return sizes
 
 
+def drive_pipelined(
+    core: BucketCore, sizer: AdaptiveSizer, engine: SimEngine, reports: int, lag: int
+) -> list[int]:
+    """As ``drive``, but each batch reports ``lag`` batches after it was
+    formed, as on a loaded server: each engine holds a second batch, formed
+    at the target of its time, while it computes one (one engine: lag 1;
+    two: 3)."""
+    sizes = []
+    in_flight: deque[int] = deque()
+    for _ in range(reports):
+        n = core.batch_size(BUCKET)
+        in_flight.append(n)
+        sizes.append(n)
+        if len(in_flight) > lag:
+            m = in_flight.popleft()
+            sizer.report(BUCKET, m, engine.latency(m), engine.utilization(m))
+    return sizes
+
+
 def settled(sizes: list[int], best: int) -> float:
     """Share of reports within one x1.25 step below the best size."""
     return sum(best / 1.25 <= n <= best for n in sizes) / len(sizes)
@@ -90,6 +109,29 @@ def test_grows_back_when_the_engine_gets_faster() -> None:
     drive(core, sizer, engine, 1500)  # probes of the old ceiling back off
     tail = drive(core, sizer, engine, 400)
     assert settled(tail, engine.best()) >= 0.9
+
+
+@pytest.mark.parametrize(
+    ("lag", "b"),
+    [(1, 5e-6), (3, 10e-6), (5, 5e-6)],
+    ids=["one-engine", "two-engines", "three-engines"],
+)
+def test_batches_formed_before_a_size_change_do_not_unsettle_it(
+    lag: int, b: float
+) -> None:
+    """Batches still in flight when the size changes report the old size.
+    Counted for the new one, a batch of a missing size made the size just
+    shrunk to look slow: the known-good size was forgotten and the size
+    swung 59 <-> 93 around the best 75 (one engine); smaller ones from
+    before a growth made a size that misses look good."""
+    core, sizer = make()
+    engine = SimEngine(b=b)
+    best = engine.best()
+    drive_pipelined(core, sizer, engine, 600, lag)
+    tail = drive_pipelined(core, sizer, engine, 1000, lag)
+    assert settled(tail, best) >= 0.95
+    assert max(tail) <= best + 1  # only probes of the ceiling miss
+    assert Counter(tail).most_common(1)[0][0] == best
 
 
 def test_stops_growing_when_the_gpu_is_busy() -> None:
