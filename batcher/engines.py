@@ -52,9 +52,12 @@ class EngineClient(
         self.failures = 0
 
     def record_failure(self, reason: str) -> None:
-        """Eject for 0.5 s, 1 s, 2 s ... up to 30 s after each failure in a row."""
+        """Eject for 0.5 s, 1 s, 2 s ... up to 30 s after each failure in a row.
+
+        (The exponent is capped too: an engine failing every probe for hours
+        reached 1,025 failures, and 2.0 ** 1024 overflows.)"""
         self.failures += 1
-        backoff = min(MAX_EJECTION_S, 0.5 * 2 ** (self.failures - 1))
+        backoff = min(MAX_EJECTION_S, 0.5 * 2 ** min(self.failures - 1, 16))
         self.ejected_until = time.monotonic() + backoff
         log.warning(
             "engine %s ejected for %.1f s (%d failures in a row): %s",

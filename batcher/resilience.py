@@ -19,8 +19,8 @@ class HedgeBudget:
 
     def __init__(self, ratio: float = 0.1, burst: float = 5.0) -> None:
         self.ratio = ratio
-        self.burst = burst
-        self.tokens = burst
+        self.burst = burst if ratio > 0 else 0.0  # --hedge-ratio 0: no hedges
+        self.tokens = self.burst
         self.sent = 0
         self.won = 0
 

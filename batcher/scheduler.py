@@ -227,8 +227,8 @@ class ModelScheduler:
         while len(self.core) or self._inflight:
             self._wake.set()
             await asyncio.sleep(0.01)
+        self._stopped = True  # (drained before it started: refuse work too)
         if self._task is not None:
-            self._stopped = True
             self._task.cancel()
 
     async def _loop(self) -> None:

@@ -4,15 +4,18 @@ behind a real scheduler and a loopback engine."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import grpc
 import numpy as np
 
+from batcher.engines import EngineClient, EnginePool
 from batcher.resilience import BreakerState, CircuitBreaker, HedgeBudget
-from batcher.scheduler import SchedulerConfig
-from services.proto.berth.v1 import internal_pb2
+from batcher.scheduler import ModelScheduler, SchedulerConfig
+from services.proto.berth.v1 import internal_pb2, internal_pb2_grpc
 from tests.batcher.test_stuck_engine import (
+    ENTRY,
     WIDTH,
     SleepyEngine,
     sequence,
@@ -76,6 +79,31 @@ def test_hedge_budget_caps_extra_batches_at_the_ratio() -> None:
     assert hedged <= 0.1 * 1000 + 2
     assert hedged >= 0.1 * 1000 - 1
     assert budget.sent == hedged
+
+
+def test_a_hedge_ratio_of_zero_sends_no_hedges() -> None:
+    budget = HedgeBudget(ratio=0.0)
+    for _ in range(100):
+        budget.earn()
+        assert not budget.try_spend()
+    assert budget.sent == 0
+
+
+def test_ejection_back_off_survives_any_number_of_failures() -> None:
+    """An engine that fails every probe for hours: its back-off stays 30 s
+    (2.0 ** 1024 overflowed at the 1,025th failure in a row, which failed
+    the batch with INTERNAL and never ejected the engine again)."""
+
+    async def scenario() -> float:
+        engine = EngineClient("127.0.0.1:9", lambda: None)  # never connected
+        try:
+            for _ in range(1100):
+                engine.record_failure("probe failed")
+            return engine.ejected_until - time.monotonic()
+        finally:
+            await engine.channel.close()
+
+    assert 29.0 < asyncio.run(scenario()) <= 30.0
 
 
 def test_a_late_success_does_not_close_an_open_circuit() -> None:
@@ -185,3 +213,31 @@ def test_a_batch_sent_before_the_circuit_opened_does_not_close_it() -> None:
     assert state is BreakerState.OPEN
     assert codes[4] == grpc.StatusCode.UNAVAILABLE.value[0]
     assert received == 4  # the fifth never reached the engine
+
+
+def test_a_scheduler_drained_before_it_started_refuses_work() -> None:
+    """drain() stops a scheduler whether or not its loop ever started: work
+    submitted afterwards is refused at once (before, a scheduler drained
+    before its start queued it, and nothing would ever batch it)."""
+
+    async def scenario() -> list[str]:
+        server = grpc.aio.server()
+        internal_pb2_grpc.add_EngineServicer_to_server(SleepyEngine(0.0), server)
+        address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        await server.start()
+        pool = EnginePool([address], slots_per_engine=1)
+        pool.start()
+        try:
+            while not pool.serving(ENTRY.name):
+                await asyncio.sleep(0.01)
+            scheduler = ModelScheduler(ENTRY, pool, SchedulerConfig())
+            await scheduler.drain()
+            answers: list[str] = []
+            scheduler.submit(sequence(1, 5), lambda r: answers.append(r.message))
+            return answers
+        finally:
+            await pool.close()
+            await server.stop(None)
+
+    (answer,) = asyncio.run(scenario())
+    assert "shutting down" in answer
