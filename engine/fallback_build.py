@@ -381,6 +381,8 @@ def build_fallbacks(root: Path, force: bool = False) -> list[Path]:
             fallback = assemble(entry, shared[key])
             metrics = measure(entry, fallback)
         except (ValueError, OSError) as exc:  # one odd model must not stop the rest
+            # An artifact made from its earlier inputs would answer for it.
+            path.unlink(missing_ok=True)
             log.warning(
                 "no fallback for %s (%s): while its circuit is open it cannot answer",
                 entry.name,

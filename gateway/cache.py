@@ -57,7 +57,8 @@ class ModelCache:
 
     def put(self, truncate: bool, text: str, row: np.ndarray, tokens: int) -> None:
         """Store a copy of one text's row; evicts the least recently used."""
-        size = row.nbytes + sys.getsizeof(text) + ENTRY_OVERHEAD_BYTES
+        # Sized as stored (float32), whatever the dtype it comes in.
+        size = row.size * 4 + sys.getsizeof(text) + ENTRY_OVERHEAD_BYTES
         if size > self.max_bytes or self.max_entries <= 0:
             return
         key = (truncate, text)

@@ -45,6 +45,16 @@ def _unit(rows: np.ndarray) -> np.ndarray:
     return rows / np.maximum(norms, _TINY)
 
 
+def _checkpoint_shape(entry: ModelEntry) -> tuple[int, int]:
+    """Vocabulary size and hidden width of ``entry``'s checkpoint, which its
+    fallback must share (a fallback built for an earlier checkpoint would
+    answer in the wrong width)."""
+    config = json.loads((entry.checkpoint_dir / "config.json").read_text())
+    return int(config.get("vocab_size", 0)), int(
+        config.get("hidden_size", config.get("dim", 0))
+    )
+
+
 class FallbackModel:
     """A model's lightweight CPU stand-in: static token vectors, a map, a head."""
 
@@ -134,6 +144,14 @@ class FallbackModel:
                 f"{path}: format {meta.get('format')!r} / task {meta.get('task')!r}, "
                 f"expected {FORMAT!r} / {entry.task!r}; rebuild it with "
                 "`berth build-models --force`"
+            )
+        vocab, width = _checkpoint_shape(entry)
+        if tensors["vectors"].shape != (vocab, width):
+            rows, columns = tensors["vectors"].shape
+            raise FallbackError(
+                f"{path}: it has {rows} token vectors of width {columns}, "
+                f"{entry.name}'s checkpoint {vocab} tokens of width {width}; "
+                "rebuild it with `berth build-models`"
             )
         labels = entry.label_names()
         if json.loads(meta.get("labels", "[]")) != labels:

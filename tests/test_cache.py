@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 import urllib.request
 import uuid
 from typing import Any
@@ -68,6 +69,20 @@ def test_disabled_cache_stores_nothing() -> None:
         cache.insert("m", False, ["a"], [row(1)], [2])
         assert cache.lookup("m", False, ["a"]) == [None]
         assert not cache.enabled and cache.hits == cache.misses == 0
+
+
+def test_entries_are_sized_as_stored_whatever_dtype_they_come_in() -> None:
+    """A row is stored as float32: a float64 row must not count double (nor a
+    float16 one half, letting the cache outgrow its byte bound)."""
+    cache = ModelCache(max_entries=10, max_bytes=1 << 20)
+    for dtype in (np.float64, np.float16, np.float32):
+        cache.put(False, str(np.dtype(dtype)), row(1, 384).astype(dtype), 3)
+    stored = sum(
+        found[0].nbytes + sys.getsizeof(text) + ENTRY_OVERHEAD_BYTES
+        for text in ("float64", "float16", "float32")
+        if (found := cache.get(False, text)) is not None
+    )
+    assert len(cache) == 3 and cache.bytes == stored
 
 
 def batcher_sequences(stack: Stack) -> float:

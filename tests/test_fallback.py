@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -26,8 +27,14 @@ from engine.fallback_build import (
     tokenize,
 )
 from engine.model import load_served_model
+from gateway.batcher_client import BatcherClient
 from gateway.fallback import FallbackError, FallbackModel, fallback_path
+from gateway.service import Gateway
+from gateway.tokenize import Limits
+from services.errors import Unavailable
+from services.proto.berth.v1 import berth_pb2
 from services.repository import ModelEntry, load_entry, load_repository
+from tests.stack import free_ports
 from tests.texts import UTTERANCES, VARIED
 
 MODELS = ("minilm", "intent")
@@ -223,3 +230,98 @@ assert "torch" not in sys.modules, "the fallback imported torch"
         [sys.executable, "-c", script], capture_output=True, text=True, env=env
     )
     assert done.returncode == 0, done.stderr
+
+
+# ---- stale artifacts ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def wider(
+    entries: dict[str, ModelEntry], tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """Another BERT checkpoint with minilm's tokenizer and vocabulary but
+    hidden size 64 (random weights: the shapes are what matter here)."""
+    import transformers
+
+    directory = tmp_path_factory.mktemp("wider")
+    config = transformers.BertConfig(
+        vocab_size=30522,
+        hidden_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=128,
+    )
+    torch.manual_seed(0)
+    model = transformers.BertModel(config, add_pooling_layer=False)
+    model.save_pretrained(directory, safe_serialization=True)
+    shutil.copy(entries["minilm"].checkpoint_dir / "tokenizer.json", directory)
+    return directory
+
+
+def _entry_with_old_fallback(
+    entries: dict[str, ModelEntry], directory: Path, checkpoint: Path
+) -> ModelEntry:
+    """minilm's entry, now naming ``checkpoint``, with the fallback artifact
+    built for its old checkpoint still beside it."""
+    directory.mkdir()
+    source = entries["minilm"]
+    shutil.copy(fallback_path(source), directory / "fallback.safetensors")
+    data = json.loads(source.to_json())
+    data["checkpoint"] = str(checkpoint)
+    (directory / "berth.json").write_text(json.dumps(data))
+    return load_entry(directory)
+
+
+def test_an_artifact_of_another_width_is_refused(
+    entries: dict[str, ModelEntry], wider: Path, tmp_path: Path
+) -> None:
+    """The checkpoint changed (hidden 384 -> 64) and the fallback was not
+    rebuilt: loading it fails, so the gateway never answers 384-wide
+    degraded vectors for a model whose ModelInfo says 64."""
+    entry = _entry_with_old_fallback(entries, tmp_path / "minilm", wider)
+    with pytest.raises(FallbackError, match="width 64"):
+        FallbackModel.load(entry)
+
+    async def embed() -> berth_pb2.EmbedResponse:
+        """An Embed with no batcher: answered by the fallback, if any."""
+        (nowhere,) = free_ports(1)
+        batcher = BatcherClient(f"127.0.0.1:{nowhere}")
+        try:
+            gateway = Gateway({"minilm": entry}, batcher, Limits(), max_in_flight=4)
+            gateway.started = True
+            assert gateway.describe("minilm").models[0].dimension == 64
+            request = berth_pb2.EmbedRequest(model="minilm", texts=["hello there"])
+            return await gateway.embed(request, timeout_s=10)
+        finally:
+            await batcher.close()
+
+    # Level 3 is off for it (refused, not answered 384 wide).
+    with pytest.raises(Unavailable, match="no CPU fallback"):
+        asyncio.run(embed())
+
+
+def test_a_fallback_that_cannot_be_rebuilt_is_not_left_stale(
+    entries: dict[str, ModelEntry], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The model's inputs changed (here its tokenizer no longer wraps texts in
+    [CLS] ... [SEP]) and its fallback cannot be made from them: the build says
+    the model has no fallback, so the old artifact must not stay behind and
+    answer for it."""
+    old = entries["minilm"].checkpoint_dir
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    shutil.copy(old / "config.json", checkpoint)
+    (checkpoint / "model.safetensors").symlink_to(old / "model.safetensors")
+    tokenizer = json.loads((old / "tokenizer.json").read_text())
+    tokenizer["post_processor"] = None
+    (checkpoint / "tokenizer.json").write_text(json.dumps(tokenizer))
+    root = tmp_path / "repository"
+    root.mkdir()
+    entry = _entry_with_old_fallback(entries, root / "minilm", checkpoint)
+    assert built_fingerprint(fallback_path(entry)) != fingerprint(entry)
+    with caplog.at_level(logging.WARNING, logger="berth.models"):
+        assert build_fallbacks(root) == []
+    assert "no fallback for minilm" in caplog.text
+    assert not fallback_path(entry).exists()
+    with pytest.raises(FallbackError, match="is missing"):
+        FallbackModel.load(entry)
