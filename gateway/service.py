@@ -48,6 +48,9 @@ DEGRADED_METADATA = (("x-berth-degraded", "true"),)
 # (tens of microseconds); longer ones on the tokenizer threads, so one
 # large call cannot stall every other request.
 INLINE_TOKENIZE_CHARS = 2048
+# Likewise the CPU fallback: a call of at most this many tokens runs on the
+# loop; a larger one (256 texts of ~450 tokens take ~1 s) on those threads.
+INLINE_FALLBACK_TOKENS = 2048
 # A request waiting for the engines at start-up stops this long before its
 # deadline, so the fallback can still answer it in time; it tries again
 # every STARTUP_RETRY_S while the batcher has no engine for it.
@@ -322,7 +325,12 @@ class Gateway:
         with span_if_recording(
             TRACER, "gateway.fallback", attributes={"berth.reason": reason}
         ):
-            fallback = model.fallback.run(ids)
+            if sum(map(len, ids)) <= INLINE_FALLBACK_TOKENS:
+                fallback = model.fallback.run(ids)
+            else:  # while the fleet fails every call comes here: keep the loop
+                fallback = await asyncio.get_running_loop().run_in_executor(
+                    self._tokenize_pool, model.fallback.run, ids
+                )
         metrics.FALLBACKS.labels(name, reason).inc(len(ids))
         return list(fallback), True
 

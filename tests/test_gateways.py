@@ -280,6 +280,36 @@ def test_a_gateway_started_before_its_engines_waits_for_them(
         assert gateway.logs().count(WAITING) == 1, gateway.logs()
 
 
+def test_a_large_fallback_call_leaves_the_gateway_answering(
+    repository: Path,
+) -> None:
+    """While the fleet fails, every call is a fallback call: a large one (256
+    texts of ~450 tokens, ~1 s on the CPU model) runs off the event loop,
+    so small calls keep being answered while it computes (before, each
+    waited for it)."""
+    (nowhere,) = free_ports(1)
+    flags = ("--batcher", f"127.0.0.1:{nowhere}", "--startup-wait-s", "0")
+    long_text = "the quick brown fox jumps over the lazy dog " * 50
+    big = berth_pb2.EmbedRequest(
+        model="minilm", texts=[f"{i} {long_text}" for i in range(256)]
+    )
+    with service("gateway", repository, *flags) as gateway:
+        gateway.wait_for("NOT_SERVING")
+        with grpc.insecure_channel(gateway.address) as channel:
+            stub = berth_pb2_grpc.BerthStub(channel)
+            assert stub.Embed(EMBED, timeout=30).degraded  # warm
+            pending = stub.Embed.future(big, timeout=60)
+            small: list[float] = []
+            while not pending.done():  # small calls all through the big one
+                t0 = time.monotonic()
+                assert stub.Embed(EMBED, timeout=30).degraded
+                small.append(time.monotonic() - t0)
+                time.sleep(0.02)
+            assert len(pending.result().embeddings) == 256
+    assert len(small) >= 3, small  # the big call took a while
+    assert max(small) < 0.6, small  # on the loop: 0.8-1.0 s behind it
+
+
 STARTUP_WAIT_S = 5.0
 
 
