@@ -7,7 +7,9 @@ The graph takes ``input_ids`` int32 [batch, length] and ``lengths`` int32
 
 Files are cached under ``$BERTH_CACHE_DIR`` (default ``~/.cache/berth``) by a
 fingerprint of everything that shapes the graph: the checkpoint's config and
-weights, the head, the entry's task/pooling/normalize and the opset.
+weights, the head, the entry's task/pooling/normalize and the opset. A large
+model's weights (over the exporter's threshold, 1.5 GB in torch 2.13) are
+external data, ``<file>.onnx.data`` beside it, named in the graph.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import hashlib
 import json
 import logging
 import os
+import shutil
+import tempfile
 import time
 import warnings
 from collections.abc import Sequence
@@ -77,26 +81,33 @@ def export_onnx(model: ServedModel, path: Path, max_length: int) -> Path:
     length = torch.export.Dim("length", min=2, max=max_length)
     dynamic = {"input_ids": {0: batch, 1: length}, "lengths": {0: batch}}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # Written under its final name in a private directory, then moved: the
+    # graph names its external data file (if any) after its own file name.
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     log.info("exporting %s to ONNX (opset %d)", model.name, OPSET)
     # The exporter's own deprecation notices are not ours to fix.
-    with warnings.catch_warnings(), torch.inference_mode(False):
-        warnings.simplefilter("ignore")
-        program = torch.onnx.export(
-            model,
-            (ids, lengths),
-            input_names=list(INPUT_NAMES),
-            output_names=[OUTPUT_NAME],
-            dynamic_shapes=dynamic,
-            opset_version=OPSET,
-            dynamo=True,
-            optimize=True,
-            verbose=False,
-        )
-        if program is None:  # only the legacy exporter returns None
-            raise RuntimeError("torch.onnx.export returned no program")
-        program.save(str(tmp))
-    os.replace(tmp, path)
+    try:
+        with warnings.catch_warnings(), torch.inference_mode(False):
+            warnings.simplefilter("ignore")
+            program = torch.onnx.export(
+                model,
+                (ids, lengths),
+                input_names=list(INPUT_NAMES),
+                output_names=[OUTPUT_NAME],
+                dynamic_shapes=dynamic,
+                opset_version=OPSET,
+                dynamo=True,
+                optimize=True,
+                verbose=False,
+            )
+            if program is None:  # only the legacy exporter returns None
+                raise RuntimeError("torch.onnx.export returned no program")
+            program.save(str(staging / path.name))
+        # External data first, the graph last: a reader checks for the graph.
+        for part in sorted(staging.iterdir(), key=lambda f: f.name == path.name):
+            os.replace(part, path.parent / part.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     log.info(
         "exported %s to %s (%.1f MB) in %.1f s",
         model.name,

@@ -4,9 +4,14 @@ Per model: the ONNX file (engine/onnx_export.py), one TensorRT engine with
 an optimization profile per length bucket (FP16, or INT8 calibrated by KL
 divergence on real texts when the entry says ``quantize: "int8"``), cached
 on disk by model hash + GPU + TensorRT version (engine/tensorrt_build.py);
-one execution context per profile; a CUDA graph per warmed-up (batch,
-bucket) shape; batches pass through the same pinned slots as the torch
-CUDA backend (engine/pinned.py).
+one execution context per profile for eager enqueues, and a CUDA graph per
+warmed-up (batch, bucket) shape, each captured from an execution context of
+its own (TensorRT: a captured graph is only valid for the input shapes and
+the state of the context it was captured from, so a context whose shapes
+later change cannot keep one); every context of a model shares one block of
+activation memory (its enqueues and replays never overlap: one stream, each
+batch collected before the next). Batches pass through the same pinned slots
+as the torch CUDA backend (engine/pinned.py).
 
 NOT RUN: TensorRT cannot be installed on berth's machines (its full PyPI
 wheels are stubs that download from elsewhere; the lean and dispatch
@@ -28,16 +33,19 @@ import numpy as np
 import torch
 
 from engine.backend import BackendError, loaded
-from engine.calibration import calibration_texts
+from engine.calibration import TokenBatch, calibration_texts
 from engine.onnx_export import cache_dir, export_entry, file_sha256
 from engine.pinned import Slot, SlotRing
 from engine.tensorrt_build import (
+    CALIBRATION_LENGTH,
     MAX_BATCH,
     TOKEN_BUDGET,
     Profile,
     bucket_profiles,
     build_serialized,
     calibration_batches,
+    calibration_digest,
+    check_version,
     engine_cache_key,
     engine_path,
     entropy_calibrator,
@@ -69,14 +77,18 @@ class TrtModel:
     """One model's engine, a context and device buffers per profile, graphs."""
 
     engine: Any
-    contexts: list[Any]
+    contexts: list[Any]  # per profile: eager enqueues of any batch size
     profiles: list[Profile]
     width: int
     ids: list[torch.Tensor]  # int32 [max_batch * bucket] per profile
     lengths: list[torch.Tensor]  # int32 [max_batch] per profile
     outputs: list[torch.Tensor]  # float32 [max_batch * width] per profile
     ring: SlotRing
-    graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = field(default_factory=dict)
+    memory: torch.Tensor  # uint8: activation memory every context shares
+    # (profile, rows) -> (its own context, the graph captured from it)
+    graphs: dict[tuple[int, int], tuple[Any, torch.cuda.CUDAGraph]] = field(
+        default_factory=dict
+    )
 
 
 class TensorRTBackend:
@@ -93,6 +105,7 @@ class TensorRTBackend:
     ) -> None:
         import tensorrt as trt  # ImportError: create_backend logs it and skips
 
+        check_version(trt.__version__)  # RuntimeError: logged and skipped too
         torch_device = resolve_device("cuda" if device == "auto" else device)
         if torch_device.type != "cuda":
             raise RuntimeError(f"TensorRT needs a CUDA device, not {device!r}")
@@ -117,13 +130,12 @@ class TensorRTBackend:
         engine = self.runtime.deserialize_cuda_engine(plan)
         if engine is None:
             raise BackendError(f"{entry.name}: TensorRT could not load its engine")
-        contexts = []
-        for index in range(len(profiles)):
-            context = engine.create_execution_context()
-            context.set_optimization_profile_async(index, self.stream.cuda_stream)
-            contexts.append(context)
-        width = int(engine.get_tensor_shape("output")[-1])
         dev = self.torch_device
+        # The largest any profile needs; the contexts take turns on one stream.
+        size = int(engine.device_memory_size_v2)
+        memory = torch.empty(size, dtype=torch.uint8, device=dev)
+        contexts = [self._context(engine, memory, i) for i in range(len(profiles))]
+        width = int(engine.get_tensor_shape("output")[-1])
         i32 = torch.int32
         rows = [p.max_batch for p in profiles]
         io = max(p.max_batch * (p.bucket + 1) for p in profiles)
@@ -140,6 +152,7 @@ class TensorRTBackend:
             lengths=[torch.zeros(n, dtype=i32, device=dev) for n in rows],
             outputs=[torch.zeros(n * width, device=dev) for n in rows],
             ring=SlotRing(slots),
+            memory=memory,
         )
         self.stream.synchronize()
         log.info(
@@ -173,11 +186,13 @@ class TensorRTBackend:
                 m.lengths[index][:rows].copy_(
                     slot.io_cpu[tokens : tokens + rows], non_blocking=True
                 )
-                graph = m.graphs.get((index, rows))
-                if graph is not None:
-                    graph.replay()
+                captured = m.graphs.get((index, rows))
+                if captured is not None:
+                    captured[1].replay()
                 else:
-                    self._enqueue(m, index, rows)
+                    context = m.contexts[index]
+                    self._bind(m, context, index, rows)
+                    self._enqueue(context, rows, bucket)
                 out = slot.out_cpu[: rows * m.width]
                 out.copy_(m.outputs[index][: rows * m.width], non_blocking=True)
                 slot.events[-1].record()
@@ -188,7 +203,8 @@ class TensorRTBackend:
             slot.busy = False
 
     def warmup(self, model: str, shapes: list[tuple[int, int]]) -> None:
-        """Run each shape once, then capture its enqueue in a CUDA graph."""
+        """Run each shape once, then capture its enqueue in a CUDA graph, from
+        an execution context of its own that nothing changes afterwards."""
         m = self.model(model)
         start = time.perf_counter()
         for rows, length in shapes:
@@ -197,11 +213,18 @@ class TensorRTBackend:
             self.run(model, ids, np.full(rows, length, dtype=np.int32))
             if (index, rows) in m.graphs:
                 continue
-            # TensorRT wants one enqueue per shape before a capture (done above).
+            bucket = m.profiles[index].bucket
+            context = self._context(m.engine, m.memory, index)
+            self._bind(m, context, index, rows)
+            # One enqueue after the shapes are set flushes TensorRT's deferred
+            # shape updates, which must not be captured.
+            with torch.cuda.stream(self.stream):
+                self._enqueue(context, rows, bucket)
+            self.stream.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=self.stream):
-                self._enqueue(m, index, rows)
-            m.graphs[(index, rows)] = graph
+                self._enqueue(context, rows, bucket)
+            m.graphs[(index, rows)] = (context, graph)
         log.info(
             "model %s: %d TensorRT graphs captured in %.2f s",
             model,
@@ -214,14 +237,30 @@ class TensorRTBackend:
 
     # Steps.
 
-    def _enqueue(self, m: TrtModel, index: int, rows: int) -> None:
-        """The engine on profile ``index`` for ``rows`` rows, on our stream."""
-        context, bucket = m.contexts[index], m.profiles[index].bucket
-        context.set_input_shape("input_ids", (rows, bucket))
-        context.set_input_shape("lengths", (rows,))
+    def _context(self, engine: Any, memory: torch.Tensor, index: int) -> Any:
+        """A new execution context on profile ``index``, in shared memory."""
+        strategy = self.trt.ExecutionContextAllocationStrategy.USER_MANAGED
+        context = engine.create_execution_context(strategy)
+        if context is None:
+            raise BackendError("TensorRT could not create an execution context")
+        context.set_device_memory(memory.data_ptr(), memory.numel())
+        context.set_optimization_profile_async(index, self.stream.cuda_stream)
+        return context
+
+    def _bind(self, m: TrtModel, context: Any, index: int, rows: int) -> None:
+        """Shapes and buffers of a [rows, bucket] batch on profile ``index``."""
+        bucket = m.profiles[index].bucket
+        for name, shape in (("input_ids", (rows, bucket)), ("lengths", (rows,))):
+            if not context.set_input_shape(name, shape):
+                raise BackendError(
+                    f"TensorRT refused {name} of shape {shape} on profile {index}"
+                )
         context.set_tensor_address("input_ids", m.ids[index].data_ptr())
         context.set_tensor_address("lengths", m.lengths[index].data_ptr())
         context.set_tensor_address("output", m.outputs[index].data_ptr())
+
+    def _enqueue(self, context: Any, rows: int, bucket: int) -> None:
+        """The bound batch through the engine, on our stream."""
         if not context.execute_async_v3(self.stream.cuda_stream):
             raise BackendError(f"TensorRT failed on a [{rows}, {bucket}] batch")
 
@@ -233,6 +272,13 @@ class TensorRTBackend:
         precision: str,
     ) -> bytes:
         """The cached engine for this model, GPU and TensorRT, else a new one."""
+        batches: list[TokenBatch] = []
+        if precision == "int8":
+            # Never longer than the model's positions (nor its last bucket).
+            length = min(CALIBRATION_LENGTH, entry.max_tokens)
+            batches = calibration_batches(
+                entry.tokenizer_file, calibration_texts(), length=length
+            )
         props = torch.cuda.get_device_properties(self.torch_device)
         key = engine_cache_key(
             file_sha256(onnx_path),
@@ -241,6 +287,7 @@ class TensorRTBackend:
             self.trt.__version__,
             precision,
             profiles,
+            calibration_digest(batches) if batches else "",
         )
         path = engine_path(self.cache, entry.name, precision, key)
         if path.is_file():
@@ -248,7 +295,6 @@ class TensorRTBackend:
             return path.read_bytes()
         calibrator = None
         if precision == "int8":
-            batches = calibration_batches(entry.tokenizer_file, calibration_texts())
             calibrator = entropy_calibrator(
                 self.trt, batches, path.with_suffix(".calib"), self.torch_device
             )

@@ -11,6 +11,13 @@ NOT RUN: TensorRT cannot be installed on berth's development and GPU
 machines (its full PyPI wheels are stubs that download from elsewhere), so
 the builder path has been written against the TensorRT 10 API but never
 executed here.
+
+INT8 here is TensorRT's implicit quantization: an IInt8EntropyCalibrator2,
+``IBuilderConfig.int8_calibrator`` and a calibration profile. TensorRT 10.1
+deprecated all three ("superseded by explicit quantization", i.e. Q/DQ nodes
+in the ONNX graph, which berth's export does not emit) and TensorRT 11
+removed them together with ``BuilderFlag.FP16``/``INT8``; they still work in
+TensorRT 10, the only line :func:`check_version` accepts.
 """
 
 from __future__ import annotations
@@ -37,6 +44,27 @@ WORKSPACE_BYTES = 4 << 30
 # Calibration batches: fixed shape (the calibration profile's opt shape).
 CALIBRATION_BATCH = 32
 CALIBRATION_LENGTH = 128
+# The TensorRT line this is written for: set_device_memory(ptr, size) and
+# device_memory_size_v2 arrived in 10.1; 11 removed implicit INT8 and the
+# FP16/INT8 builder flags.
+MIN_VERSION = (10, 1)
+NEXT_MAJOR = 11
+
+
+def check_version(version: str) -> None:
+    """Refuse a TensorRT this backend is not written for (RuntimeError: the
+    backend is then skipped with this reason, and the model falls back)."""
+    try:
+        found = tuple(int(part) for part in version.split(".")[:2])
+    except ValueError:
+        found = (0, 0)
+    if not MIN_VERSION <= found < (NEXT_MAJOR, 0):
+        raise RuntimeError(
+            f"TensorRT {version} is not supported: berth's TensorRT backend needs "
+            f"TensorRT {MIN_VERSION[0]}.{MIN_VERSION[1]} to {NEXT_MAJOR - 1}.x "
+            f"(TensorRT {NEXT_MAJOR} removed the implicit INT8 calibration and "
+            "FP16/INT8 builder flags it uses)"
+        )
 
 
 def batch_sizes(
@@ -125,6 +153,16 @@ def calibration_batches(
     return padded
 
 
+def calibration_digest(batches: Sequence[TokenBatch]) -> str:
+    """sha256 of the calibration batches (ids and lengths, in order)."""
+    digest = hashlib.sha256()
+    for batch in batches:
+        digest.update(str(batch.ids.shape).encode())
+        digest.update(batch.ids.tobytes())
+        digest.update(batch.lengths.tobytes())
+    return digest.hexdigest()
+
+
 def engine_cache_key(
     onnx_sha256: str,
     gpu: str,
@@ -132,8 +170,12 @@ def engine_cache_key(
     trt_version: str,
     precision: str,
     profiles: Sequence[Profile],
+    calibration: str = "",
 ) -> str:
-    """What makes an engine reusable: model hash, GPU, TensorRT, build options."""
+    """What makes an engine reusable: model hash, GPU, TensorRT, build options,
+    and for INT8 the calibration data (:func:`calibration_digest`): TensorRT
+    leaves recalibrating on new data to the application, and the calibration
+    table is cached under this key too."""
     blob = {
         "onnx": onnx_sha256,
         "gpu": gpu,
@@ -141,6 +183,7 @@ def engine_cache_key(
         "tensorrt": trt_version,
         "precision": precision,
         "profiles": [asdict(p) for p in profiles],
+        "calibration": calibration,
     }
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()
 
@@ -162,7 +205,9 @@ def entropy_calibrator(
     """A TensorRT IInt8EntropyCalibrator2 (KL divergence) over ``batches``.
 
     Device memory comes from torch; the calibration table is cached in
-    ``cache_file`` so a rebuild skips the calibration passes.
+    ``cache_file`` so a rebuild skips the calibration passes. Every batch has
+    one shape, :meth:`get_batch_shape`, the calibration profile's.
+    (Deprecated in TensorRT 10.1, removed in 11: see the module docstring.)
     """
     import torch
 
@@ -176,6 +221,11 @@ def entropy_calibrator(
 
         def get_batch_size(self) -> int:
             return int(batches[0].ids.shape[0])
+
+        def get_batch_shape(self) -> tuple[int, int]:
+            """[rows, length] of every batch: the calibration profile's shape."""
+            rows, length = batches[0].ids.shape
+            return int(rows), int(length)
 
         def get_batch(self, names: list[str]) -> list[int] | None:
             if self.index >= len(batches):
@@ -230,9 +280,11 @@ def build_serialized(
         config.set_flag(trt.BuilderFlag.INT8)
         config.int8_calibrator = calibrator
         calibration = builder.create_optimization_profile()
-        rows = calibrator.get_batch_size()
+        # The shape get_batch feeds (its length may be under
+        # CALIBRATION_LENGTH: a model with fewer positions).
+        rows, length = calibrator.get_batch_shape()
         for name, shape in (
-            ("input_ids", (rows, CALIBRATION_LENGTH)),
+            ("input_ids", (rows, length)),
             ("lengths", (rows,)),
         ):
             calibration.set_shape(name, shape, shape, shape)

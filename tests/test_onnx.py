@@ -48,6 +48,11 @@ def test_export_matches_torch(entries: dict[str, ModelEntry], cache: Path) -> No
     ids = np.zeros((3, 2), dtype=np.int32)
     ids[0] = [101, 102]
     batches.append((ids, np.array([2, 0, 0], dtype=np.int32)))
+    # A length-1 input (under the export's example length) and a length-1 row.
+    batches.append((np.array([[101], [0]], np.int32), np.array([1, 0], np.int32)))
+    ids = np.zeros((4, 5), dtype=np.int32)
+    ids[0], ids[1, 0], ids[3, :3] = [101, 2023, 2003, 1037, 102], 101, [101, 7, 102]
+    batches.append((ids, np.array([5, 1, 0, 3], dtype=np.int32)))
     max_diff, min_cos = compare_with_torch(model, path, batches)
     print(
         f"onnxruntime vs torch (minilm): max |diff| {max_diff:.2e}, min cos {min_cos}"
@@ -196,3 +201,36 @@ def test_engines_starting_together_quantize_once(
     assert len(quantized) == 1, outputs  # the other waited (or, late, found it)
     paths = {o.strip().splitlines()[-1] for o in outputs}
     assert len(paths) == 1 and paths.pop().endswith("-int8.onnx")
+
+
+def test_large_export_keeps_its_weights_beside_it_by_name(
+    tiny: ModelEntry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model over the exporter's size threshold (1.5 GB) is saved with its
+    weights as external data: that file must be named after the final .onnx
+    (it was named after the temporary one, a hidden ``.…tmp.data`` file that
+    a cleanup of leftovers would delete), and the export must still run."""
+    import onnx
+    import torch
+
+    save = torch.onnx.ONNXProgram.save
+
+    def save_external(self: torch.onnx.ONNXProgram, destination: str) -> None:
+        save(self, destination, external_data=True)
+
+    monkeypatch.setattr(torch.onnx.ONNXProgram, "save", save_external)
+    path = export_entry(tiny, tmp_path)
+    graph = onnx.load(str(path), load_external_data=False)
+    locations = {
+        item.value
+        for tensor in graph.graph.initializer
+        for item in tensor.external_data
+        if item.key == "location"
+    }
+    assert locations == {f"{path.name}.data"}
+    assert (path.parent / f"{path.name}.data").is_file()
+    assert not [p.name for p in path.parent.iterdir() if "tmp" in p.name]
+    ids = np.array([[101, 7, 102], [101, 0, 0]], dtype=np.int32)
+    model = load_served_model(tiny)
+    diff, cos = compare_with_torch(model, path, [(ids, np.array([3, 1], np.int32))])
+    assert diff < 1e-4 and cos > 0.9999

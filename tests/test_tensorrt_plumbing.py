@@ -6,7 +6,11 @@ stand-in module that records its calls, and selection must fall back.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -14,6 +18,7 @@ from unittest import mock
 
 import numpy as np
 import pytest
+import torch
 
 from batcher._core_py import check_config
 from engine import calibration
@@ -115,6 +120,7 @@ def test_entropy_calibrator_feeds_every_batch_then_stops(tmp_path: Path) -> None
     cache = tmp_path / "calib.cache"
     calibrator = entropy_calibrator(trt, batches, cache, "cpu")
     assert calibrator.get_batch_size() == CALIBRATION_BATCH
+    assert calibrator.get_batch_shape() == (CALIBRATION_BATCH, CALIBRATION_LENGTH)
     fed = 0
     while (pointers := calibrator.get_batch(["lengths", "input_ids"])) is not None:
         assert len(pointers) == 2 and all(isinstance(p, int) for p in pointers)
@@ -135,6 +141,7 @@ def test_builder_gets_a_profile_per_bucket(precision: str, tmp_path: Path) -> No
     trt.OnnxParser.return_value.parse_from_file.return_value = True
     calibrator = mock.MagicMock()
     calibrator.get_batch_size.return_value = CALIBRATION_BATCH
+    calibrator.get_batch_shape.return_value = (CALIBRATION_BATCH, CALIBRATION_LENGTH)
     profiles = bucket_profiles(BUCKETS)
     plan = build_serialized(
         trt, tmp_path / "m.onnx", profiles, precision, calibrator=calibrator
@@ -151,6 +158,50 @@ def test_builder_gets_a_profile_per_bucket(precision: str, tmp_path: Path) -> No
     if precision == "int8":
         assert config.int8_calibrator is calibrator
         config.set_calibration_profile.assert_called_once()
+
+
+def test_calibration_profile_is_the_shape_the_calibrator_feeds(
+    tmp_path: Path,
+) -> None:
+    """TensorRT calibrates on the calibration profile's shape, so it must be
+    the batches' own: shorter than CALIBRATION_LENGTH for a model with fewer
+    positions (it was always CALIBRATION_LENGTH)."""
+    trt: Any = mock.MagicMock()
+    trt.Builder.return_value.build_serialized_network.return_value = b"plan"
+    trt.OnnxParser.return_value.parse_from_file.return_value = True
+    calibrator = mock.MagicMock()
+    calibrator.get_batch_size.return_value = 32
+    calibrator.get_batch_shape.return_value = (32, 64)
+    build_serialized(
+        trt, tmp_path / "m.onnx", bucket_profiles([32, 64]), "int8", calibrator
+    )
+    config = trt.Builder.return_value.create_builder_config.return_value
+    config.set_calibration_profile.assert_called_once()
+    shapes = trt.Builder.return_value.create_optimization_profile.return_value
+    calls = shapes.set_shape.call_args_list
+    assert mock.call("input_ids", (32, 64), (32, 64), (32, 64)) in calls
+    assert mock.call("lengths", (32,), (32,), (32,)) in calls
+    assert not [c for c in calls if c.args[1] == (32, CALIBRATION_LENGTH)]
+
+
+def test_engine_cache_key_covers_the_calibration_data() -> None:
+    """TensorRT leaves recalibrating on new data to the application: an INT8
+    engine (and its calibration table, cached under the same key) built from
+    other calibration batches is not reused."""
+    from engine.tensorrt_build import calibration_digest
+
+    tokenizer = minilm_checkpoint() / "tokenizer.json"
+    texts = calibration.calibration_texts()[:40]
+    first = calibration_digest(calibration_batches(tokenizer, texts))
+    assert first == calibration_digest(calibration_batches(tokenizer, texts))
+    others = [
+        calibration_digest(calibration_batches(tokenizer, texts[1:])),
+        calibration_digest(calibration_batches(tokenizer, texts, length=64)),
+    ]
+    assert len({first, *others}) == 3
+    base = ("a" * 64, "NVIDIA H200", (9, 0), "10.9.0", "int8", bucket_profiles(BUCKETS))
+    keys = {engine_cache_key(*base, calibration=c) for c in (first, *others)}
+    assert len(keys) == 3
 
 
 def test_builder_reports_parse_errors(tmp_path: Path) -> None:
@@ -263,3 +314,291 @@ def test_auto_backend_is_the_measured_faster_one_for_the_device() -> None:
     )
     assert router.chosen == {"plain": "onnxruntime", "int8": "torch"}
     assert created == [("onnxruntime", "cpu"), ("torch", "cpu")]
+
+
+@pytest.mark.parametrize("version", ["11.0.0.10", "9.3.0", "10.0.1"])
+def test_tensorrt_outside_10_1_to_10_x_is_skipped_with_a_reason(
+    version: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """TensorRT 11 removed implicit INT8 calibration and BuilderFlag.FP16/INT8;
+    10.0 lacks set_device_memory(ptr, size): the backend must not start (to
+    fail later, at load, with an AttributeError) but be skipped with the
+    reason, so that the model falls back."""
+    pytest.importorskip("engine.tensorrt_backend")
+    fake = SimpleNamespace(__version__=version)
+    monkeypatch.setitem(sys.modules, "tensorrt", fake)
+    with (
+        caplog.at_level(logging.WARNING, logger="berth.engine"),
+        pytest.raises(BackendError, match="tensorrt"),
+    ):
+        create_backend("tensorrt", "cuda")
+    assert f"TensorRT {version} is not supported" in caplog.text
+    assert "10.1 to 10.x" in caplog.text
+
+
+# A TensorRT 10 stand-in that runs on the CPU: enough of the runtime API for
+# the backend's load, run and warmup, and the rules TensorRT sets on them.
+
+
+class _Capture:
+    """Stands in for the graph being captured (torch.cuda.graph)."""
+
+    graph: _FakeGraph | None = None
+
+
+class _FakeGraph:
+    def __init__(self) -> None:
+        self.launches: list[tuple[_FakeContext, tuple[Any, ...]]] = []
+
+    def replay(self) -> None:
+        for context, state in self.launches:
+            # TensorRT: a graph is valid for the shapes and the state of the
+            # execution context it was captured from, and only those.
+            assert context.state() == state, (
+                f"graph captured with {state} replayed on a context now in "
+                f"{context.state()}"
+            )
+            context.compute()
+
+
+class _FakeContext:
+    def __init__(self, engine: _FakeEngine, strategy: str) -> None:
+        self.engine, self.strategy = engine, strategy
+        self.memory: tuple[int, int] | None = None
+        self.profile: int | None = None
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.addresses: dict[str, int] = {}
+        self.flushed: tuple[Any, ...] | None = None
+
+    def state(self) -> tuple[Any, ...]:
+        return (
+            self.profile,
+            tuple(sorted(self.shapes.items())),
+            tuple(sorted(self.addresses.items())),
+        )
+
+    def set_device_memory(self, memory: int, size: int) -> None:
+        assert size >= self.engine.device_memory_size_v2
+        self.memory = (memory, size)
+
+    def set_optimization_profile_async(self, index: int, stream: int) -> bool:
+        assert 0 <= index < len(self.engine.buckets)
+        self.profile = index
+        return True
+
+    def set_input_shape(self, name: str, shape: tuple[int, ...]) -> bool:
+        assert self.profile is not None, "select a profile before shapes"
+        bucket, most = self.engine.buckets[self.profile]
+        if not 1 <= shape[0] <= most or (name == "input_ids" and shape[1] != bucket):
+            return False
+        self.shapes[name] = tuple(shape)
+        return True
+
+    def set_tensor_address(self, name: str, memory: int) -> bool:
+        self.addresses[name] = memory
+        return True
+
+    def execute_async_v3(self, stream_handle: int) -> bool:
+        assert self.strategy == "STATIC" or self.memory is not None
+        graph = _Capture.graph
+        if graph is None:
+            self.compute()
+            self.flushed = self.state()
+        else:
+            # TensorRT: enqueue once after the shapes change, then capture.
+            assert self.flushed == self.state(), "captured before a flush"
+            graph.launches.append((self, self.state()))
+        return True
+
+    def compute(self) -> None:
+        """output[r, j] = sum of row r's ids + 1000 * its length + j."""
+        rows, length = self.shapes["input_ids"]
+        width = self.engine.width
+        ids = np.ctypeslib.as_array(
+            (ctypes.c_int32 * (rows * length)).from_address(self.addresses["input_ids"])
+        ).reshape(rows, length)
+        lengths = np.ctypeslib.as_array(
+            (ctypes.c_int32 * rows).from_address(self.addresses["lengths"])
+        )
+        out = np.ctypeslib.as_array(
+            (ctypes.c_float * (rows * width)).from_address(self.addresses["output"])
+        ).reshape(rows, width)
+        out[:] = (ids.sum(axis=1) + 1000 * lengths)[:, None] + np.arange(width)
+        self.engine.runs.append((self.profile, rows, length))
+        self.engine.ran_on.append(self)
+
+
+class _FakeEngine:
+    device_memory_size_v2 = 4096
+    width = 3
+
+    def __init__(self, buckets: list[tuple[int, int]]) -> None:
+        self.buckets = buckets  # per profile: (length, largest batch)
+        self.contexts: list[_FakeContext] = []
+        self.runs: list[tuple[int | None, int, int]] = []
+        self.ran_on: list[_FakeContext] = []
+
+    def create_execution_context(self, strategy: str = "STATIC") -> _FakeContext:
+        context = _FakeContext(self, strategy)
+        self.contexts.append(context)
+        return context
+
+    def get_tensor_shape(self, name: str) -> tuple[int, ...]:
+        assert name == "output"
+        return (-1, self.width)
+
+
+class _FakeSlot:
+    """engine/pinned.py's Slot in ordinary CPU memory."""
+
+    def __init__(self, io: int, out: int, device: Any) -> None:
+        self.io_cpu = torch.zeros(io, dtype=torch.int32)
+        self.io = self.io_cpu.numpy()
+        self.out_cpu = torch.zeros(out, dtype=torch.float32)
+        self.out = self.out_cpu.numpy()
+        self.events = [mock.MagicMock() for _ in range(4)]
+        self.busy = False
+
+
+@contextlib.contextmanager
+def _capturing(graph: _FakeGraph, stream: Any = None) -> Iterator[None]:
+    _Capture.graph = graph
+    try:
+        yield
+    finally:
+        _Capture.graph = None
+
+
+def _trt_on_cpu(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, built: list[dict[str, Any]]
+) -> Any:
+    """A TensorRTBackend over the stand-in, on the CPU; ``built`` records the
+    engines it builds, ``backend.engines`` the ones it loads."""
+    tb = pytest.importorskip("engine.tensorrt_backend")
+    engines: list[_FakeEngine] = []
+    profiles: list[Profile] = []
+
+    def build(trt: Any, onnx: Path, shapes: Any, precision: str, cal: Any) -> bytes:
+        built.append({"precision": precision, "calibrator": cal})
+        profiles[:] = shapes
+        return b"plan"
+
+    def deserialize(plan: bytes) -> _FakeEngine:
+        engines.append(_FakeEngine([(p.bucket, p.max_batch) for p in profiles]))
+        return engines[-1]
+
+    onnx = tmp_path / "m.onnx"
+    onnx.write_bytes(b"graph")
+    monkeypatch.setattr(tb, "export_entry", lambda entry, cache: onnx)
+    monkeypatch.setattr(tb, "build_serialized", build)
+    monkeypatch.setattr(tb, "Slot", _FakeSlot)
+    props = SimpleNamespace(name="Fake GPU", major=9, minor=0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph", _capturing)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    backend = object.__new__(tb.TensorRTBackend)  # its __init__ needs CUDA
+    backend.trt = SimpleNamespace(
+        __version__="10.9.0.34",
+        ExecutionContextAllocationStrategy=SimpleNamespace(USER_MANAGED="USER_MANAGED"),
+        IInt8EntropyCalibrator2=_FakeCalibratorBase,
+    )
+    backend.device, backend.torch_device = "cuda:0", torch.device("cpu")
+    backend.cache, backend.token_budget, backend.max_batch = tmp_path, 256, 8
+    backend.runtime = SimpleNamespace(deserialize_cuda_engine=deserialize)
+    backend.stream = mock.MagicMock(cuda_stream=7)
+    backend._models = {}
+    backend.engines = engines
+    return backend
+
+
+def _expected(ids: np.ndarray, lengths: np.ndarray, width: int) -> np.ndarray:
+    sums = ids.sum(axis=1) + 1000 * lengths
+    return (sums[:, None] + np.arange(width)).astype(np.float32)
+
+
+def test_tensorrt_graphs_replay_on_the_context_they_were_captured_from(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Each captured graph has an execution context of its own: with one
+    context per profile, a second batch size (or any eager batch) of that
+    profile changed the shapes of the context an earlier graph was captured
+    from, and replaying that graph was undefined (TensorRT's CUDA graph rules:
+    a graph is specific to the input shapes and the state of its context)."""
+    backend = _trt_on_cpu(monkeypatch, tmp_path, built := [])
+    entry = ModelEntry(
+        name="m",
+        task="embed",
+        checkpoint=str(minilm_checkpoint()),
+        root="/",
+        buckets=[16, 32],
+        max_tokens=32,
+    )
+    backend.load(entry)
+    assert built == [{"precision": "fp16", "calibrator": None}]
+    engine = backend.engines[0]
+    m = backend.model("m")
+    assert len(m.contexts) == 2 and [c.profile for c in m.contexts] == [0, 1]
+    backend.warmup("m", [(1, 16), (2, 16), (1, 32), (2, 32)])
+    assert sorted(m.graphs) == [(0, 1), (0, 2), (1, 1), (1, 2)]
+    rng = np.random.default_rng(0)
+    for rows, length in [(3, 16), (1, 16), (2, 16), (5, 20), (1, 9), (2, 32)]:
+        ids = rng.integers(1, 1000, (rows, length)).astype(np.int32)
+        lengths = rng.integers(0, length + 1, rows).astype(np.int32)
+        got = backend.run("m", ids, lengths)
+        bucket = 16 if length <= 16 else 32
+        padded = np.zeros((rows, bucket), dtype=np.int32)
+        padded[:, :length] = ids
+        np.testing.assert_array_equal(got, _expected(padded, lengths, engine.width))
+    assert engine.runs[-6:] == [
+        (0, 3, 16), (0, 1, 16), (0, 2, 16), (1, 5, 32), (0, 1, 16), (1, 2, 32)
+    ]  # fmt: skip
+    graph_contexts = [context for context, _ in m.graphs.values()]
+    assert len({id(c) for c in [*graph_contexts, *m.contexts]}) == 4 + 2
+    # (3, 16) and (5, 20) ran eagerly, on their profile's context; the others
+    # are replays, each of its own graph's context.
+    eager, captured = m.contexts, {shape: c for shape, (c, _) in m.graphs.items()}
+    assert engine.ran_on[-6:] == [
+        eager[0], captured[0, 1], captured[0, 2], eager[1], captured[0, 1],
+        captured[1, 2],
+    ]  # fmt: skip
+    # One block of activation memory, shared by every context.
+    assert {c.strategy for c in engine.contexts} == {"USER_MANAGED"}
+    assert {c.memory for c in engine.contexts} == {
+        (m.memory.data_ptr(), engine.device_memory_size_v2)
+    }
+
+
+def test_tensorrt_int8_calibrates_within_the_models_positions(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Calibration batches are never longer than the model's max_tokens (they
+    were always CALIBRATION_LENGTH = 128 tokens, past a 64-position model's
+    table), and the engine's cache key covers them: other calibration data is
+    a new engine, not the cached one (nor its cached calibration table)."""
+    backend = _trt_on_cpu(monkeypatch, tmp_path, built := [])
+    entry = ModelEntry(
+        name="m",
+        task="embed",
+        checkpoint=str(minilm_checkpoint()),
+        root="/",
+        buckets=[32, 64],
+        max_tokens=64,
+        quantize="int8",
+    )
+    backend.load(entry)
+    calibrator = built[0]["calibrator"]
+    assert built[0]["precision"] == "int8"
+    assert calibrator.get_batch(["input_ids", "lengths"]) is not None
+    assert calibrator.held[0].shape == (CALIBRATION_BATCH, 64)
+    assert calibrator.get_batch_shape() == (CALIBRATION_BATCH, 64)
+    plans = sorted((tmp_path / "tensorrt").glob("*.plan"))
+    assert len(plans) == 1 and plans[0].name.startswith("m-int8-")
+    backend.load(entry)  # the same calibration data: the cached engine
+    assert len(built) == 1
+    tb = sys.modules["engine.tensorrt_backend"]
+    fewer = calibration.calibration_texts()[:64]
+    monkeypatch.setattr(tb, "calibration_texts", lambda: fewer)
+    backend.load(entry)  # other calibration data: calibrated and built again
+    assert len(built) == 2 and built[1]["calibrator"].get_batch_size() == 32
+    assert len(sorted((tmp_path / "tensorrt").glob("*.plan"))) == 2
