@@ -406,6 +406,7 @@ class KServe:
         try:
             with self.gateway.admission:
                 texts = decode_texts(request)
+                metrics.TEXTS.labels(model.entry.name).inc(len(texts))
                 call = parse_call(request, model, timeout_s)
                 timings = berth_pb2.Timings()
                 answer = await self.gateway._run(

@@ -585,6 +585,12 @@ def test_prometheus_counts_kserve_requests_by_api_and_outcome(
         assert (minilm, intent) == (2, 1), stage
     assert value(after, "berth_gateway_requests_in_flight") == 0
 
+    def texts(samples: dict[str, float], model: str) -> float:
+        return value(samples, rf'berth_gateway_texts_total\{{model="{model}"\}}')
+
+    assert texts(after, "minilm") - texts(before, "minilm") == 5  # refused too
+    assert texts(after, "intent") - texts(before, "intent") == 1
+
 
 def test_statistics_count_berth_api_calls_too(
     tc: triton.InferenceServerClient, client: berth_pb2_grpc.BerthStub
