@@ -54,9 +54,13 @@ class BatcherService(internal_pb2_grpc.BatcherServicer):
         # gateway's sequence id -> (scheduler, key in that scheduler)
         queued: dict[int, tuple[ModelScheduler, int]] = {}
 
+        answered = asyncio.Event()  # set once nothing is left queued
+
         def deliver(result: internal_pb2.SequenceResult) -> None:
             queued.pop(result.id, None)
             out.put_nowait(result)
+            if not queued:
+                answered.set()
 
         async def read() -> None:
             try:
@@ -67,6 +71,11 @@ class BatcherService(internal_pb2_grpc.BatcherServicer):
                         entry = queued.pop(seq_id, None)
                         if entry is not None:
                             entry[0].cancel(entry[1])
+                # The gateway closed its side only (a hang-up cancels this
+                # task): it still reads, so what it sent is answered first.
+                while queued:
+                    answered.clear()
+                    await answered.wait()
             finally:
                 # The gateway hung up: nobody is left to answer.
                 for scheduler, key in queued.values():

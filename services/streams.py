@@ -38,7 +38,7 @@ class StreamClient(Generic[Out, In, Item]):
         self.address = address
         self.channel = aio_channel(address)
         self._pending: dict[int, asyncio.Future[Item]] = {}
-        self._outbox: asyncio.Queue[Out] | None = None
+        self._outbox: asyncio.Queue[Out | None] | None = None
         self._task: asyncio.Task[None] | None = None
 
     # ---- hooks for subclasses ----------------------------------------------
@@ -82,6 +82,7 @@ class StreamClient(Generic[Out, In, Item]):
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        self._outbox = None  # (a send now is refused, not queued for nobody)
         self._fail_pending("client closed")
         await self.channel.close()
 
@@ -124,6 +125,9 @@ class StreamClient(Generic[Out, In, Item]):
                 reason = "stream ended"
             except grpc.aio.AioRpcError as exc:
                 reason = f"{exc.code().name}: {exc.details()}"
+            except Exception as exc:  # (an answer it cannot read, a bug)
+                log.exception("stream to %s failed", self.address)
+                reason = f"stream failed: {exc!r}"
             was_connected = self._outbox is not None
             self._outbox = None
             self._fail_pending(reason)
@@ -133,15 +137,24 @@ class StreamClient(Generic[Out, In, Item]):
 
     async def _serve_stream(self) -> None:
         await self._handshake()
-        outbox: asyncio.Queue[Out] = asyncio.Queue()
+        outbox: asyncio.Queue[Out | None] = asyncio.Queue()
         call = self._open(_drain(outbox, self._merge))
-        self._outbox = outbox
-        self._connection_changed(True, "")
-        async for message in call:
-            for key, item in self._items(message):
-                future = self._pending.get(key)
-                if future is not None and not future.done():
-                    future.set_result(item)
+        try:
+            self._outbox = outbox
+            self._connection_changed(True, "")
+            async for message in call:
+                if message is None:  # grpc.aio logged why it could not parse it
+                    raise BerthError(f"{self.address} sent an unreadable message")
+                for key, item in self._items(message):
+                    future = self._pending.get(key)
+                    if future is not None and not future.done():
+                        future.set_result(item)
+        finally:
+            # Ends this stream's request writer (it waits on the outbox, and
+            # grpc.aio stops it only when the call is cancelled, not when the
+            # peer ends the call) and, if it is still up, the stream itself.
+            outbox.put_nowait(None)
+            call.cancel()
 
     def _fail_pending(self, reason: str) -> None:
         pending, self._pending = self._pending, {}
@@ -157,13 +170,16 @@ MERGE_LIMIT = 256
 
 
 async def _drain(
-    queue: asyncio.Queue[Out], merge: Callable[[list[Out]], list[Out]]
+    queue: asyncio.Queue[Out | None], merge: Callable[[list[Out]], list[Out]]
 ) -> AsyncIterator[Out]:
-    """Everything queued since the last write, merged, as the next writes."""
-    while True:
-        ready = [await queue.get()]
+    """Everything queued since the last write, merged, as the next writes;
+    ends at a None (the stream is gone)."""
+    while (first := await queue.get()) is not None:
+        ready = [first]
         while not queue.empty() and len(ready) < MERGE_LIMIT:
-            ready.append(queue.get_nowait())
+            if (message := queue.get_nowait()) is None:
+                return
+            ready.append(message)
         for message in merge(ready) if len(ready) > 1 else ready:
             yield message
 

@@ -168,3 +168,31 @@ def test_gateway_sigterm_mid_load_finishes_in_flight(fleet: Stack) -> None:
     later_outcomes = {o for start, o in result.calls if start >= signalled[0]}
     assert later_outcomes <= {"OK", "UNAVAILABLE", "CANCELLED"}
     assert fleet.proc.wait(60) == 0
+
+
+def test_batcher_killed_mid_run_loses_nothing_and_is_reconnected(fleet: Stack) -> None:
+    """The gateway's one Submit stream dies with the batcher: what was in
+    flight is answered (the CPU fallback, or a clear error), none is lost,
+    and once berth serve restarted the batcher the gateway streams to it
+    again (not degraded)."""
+    victim = pid_listening("batcher", int(fleet.batcher.rsplit(":", 1)[1]))
+
+    async def scenario():  # type: ignore[no-untyped-def]
+        load = asyncio.create_task(
+            run_load(fleet.gateway, requests=3000, concurrency=16)
+        )
+        await later(2.0, lambda: os.kill(victim, signal.SIGKILL))
+        return await load
+
+    result = asyncio.run(scenario())
+    print(result.summary("SIGKILL the batcher"))
+    assert result.sent == 3000
+    assert result.answered == result.sent, "requests were lost"
+    assert "batcher exited with code -9; restarting" in fleet.logs()
+    deadline = time.monotonic() + 60
+    while True:
+        after = asyncio.run(run_load(fleet.gateway, requests=200, concurrency=4))
+        if after.ok_ratio == 1.0 and after.degraded == 0:
+            break
+        assert time.monotonic() < deadline, after.summary("after the restart")
+        time.sleep(1.0)
