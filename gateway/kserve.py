@@ -41,7 +41,7 @@ import numpy as np
 
 from gateway import metrics
 from gateway.metrics import ModelStats
-from gateway.service import TRACER, Gateway, Model, outcome_of
+from gateway.service import TRACER, Gateway, Model
 from services.errors import (
     BerthError,
     InvalidInput,
@@ -382,18 +382,9 @@ class KServe:
         ModelStreamInfer) and in its model's statistics."""
         name = request.model_name
         label = name if name in self.gateway.models else "unknown"
-        metrics.IN_FLIGHT.inc()
-        try:
+        with metrics.Tally(label, api) as tally:
             response, timings, degraded = await self._infer(request, timeout_s)
-        except BerthError as exc:
-            metrics.count_request(label, api, outcome_of(exc))
-            raise
-        except Exception:
-            metrics.count_request(label, api, "failed")
-            raise
-        finally:
-            metrics.IN_FLIGHT.dec()
-        metrics.count_request(label, api, "degraded" if degraded else "ok", timings)
+            tally.answered(timings, degraded)
         return response
 
     async def _infer(

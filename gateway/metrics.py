@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from types import TracebackType
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from services.errors import BerthError, InvalidInput, Overloaded, UnknownModel
 from services.metrics import LATENCY_BUCKETS, Memo
 from services.proto.berth.v1 import berth_pb2
 
@@ -46,6 +48,48 @@ FALLBACKS = Memo(
 )
 
 STAGES = ("tokenize", "queue", "inference", "total")
+
+
+def outcome_of(error: BerthError) -> str:
+    """The metrics outcome of a failed request."""
+    if isinstance(error, InvalidInput | UnknownModel):
+        return "invalid"
+    if isinstance(error, Overloaded):
+        return "shed"
+    return "failed"
+
+
+class Tally:
+    """One request of any API in the request metrics: in flight while the
+    block runs, then counted by its outcome: the error that ended it, or,
+    once :meth:`answered`, ok or degraded with its stage times. (A request
+    cancelled by its caller is not counted.)"""
+
+    def __init__(self, model: str, api: str) -> None:
+        self.model, self.api = model, api
+        self.timings: berth_pb2.Timings | None = None
+        self.degraded = False
+
+    def answered(self, timings: berth_pb2.Timings, degraded: bool) -> None:
+        self.timings, self.degraded = timings, degraded
+
+    def __enter__(self) -> Tally:
+        IN_FLIGHT.inc()
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        IN_FLIGHT.dec()
+        if isinstance(error, Exception):
+            outcome = outcome_of(error) if isinstance(error, BerthError) else "failed"
+            count_request(self.model, self.api, outcome)
+        elif error is None and self.timings is not None:
+            outcome = "degraded" if self.degraded else "ok"
+            count_request(self.model, self.api, outcome, self.timings)
 
 
 def count_request(

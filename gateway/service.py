@@ -26,7 +26,6 @@ from services.errors import (
     InvalidInput,
     Overloaded,
     Unavailable,
-    UnknownModel,
     abort,
     as_berth_error,
 )
@@ -70,15 +69,6 @@ class Answer:
     outputs: np.ndarray
     tokens: list[int]
     degraded: bool
-
-
-def outcome_of(error: BerthError) -> str:
-    """The metrics outcome of a failed request."""
-    if isinstance(error, InvalidInput | UnknownModel):
-        return "invalid"
-    if isinstance(error, Overloaded):
-        return "shed"
-    return "failed"
 
 
 def _varint(value: int) -> bytes:
@@ -379,21 +369,16 @@ class Gateway:
         whatever API it came by)."""
         known = model in self.models
         label = model if known else "unknown"
-        metrics.IN_FLIGHT.inc()
         metrics.TEXTS.labels(label).inc(texts)
         t0 = time.perf_counter_ns()
-        try:
-            response = await work
-        except Exception as exc:
-            outcome = outcome_of(exc) if isinstance(exc, BerthError) else "failed"
-            metrics.count_request(label, api, outcome)
-            if known:
-                metrics.model_stats(label).failed(time.perf_counter_ns() - t0)
-            raise
-        finally:
-            metrics.IN_FLIGHT.dec()
-        outcome = "degraded" if response.degraded else "ok"
-        metrics.count_request(label, api, outcome, response.timings)
+        with metrics.Tally(label, api) as tally:
+            try:
+                response = await work
+            except Exception:
+                if known:
+                    metrics.model_stats(label).failed(time.perf_counter_ns() - t0)
+                raise
+            tally.answered(response.timings, response.degraded)
         if known:
             run_ns = response.timings.total_us * 1000
             output_ns = max(0, time.perf_counter_ns() - t0 - run_ns)
