@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from safetensors import safe_open
 
-from services.repository import ModelEntry
+from services.repository import ModelEntry, checkpoint_shape
 
 FALLBACK_FILE = "fallback.safetensors"
 FORMAT = "berth-fallback/1"
@@ -43,16 +43,6 @@ def fallback_path(entry: ModelEntry) -> Path:
 def _unit(rows: np.ndarray) -> np.ndarray:
     norms = np.linalg.norm(rows, axis=1, keepdims=True)
     return rows / np.maximum(norms, _TINY)
-
-
-def _checkpoint_shape(entry: ModelEntry) -> tuple[int, int]:
-    """Vocabulary size and hidden width of ``entry``'s checkpoint, which its
-    fallback must share (a fallback built for an earlier checkpoint would
-    answer in the wrong width)."""
-    config = json.loads((entry.checkpoint_dir / "config.json").read_text())
-    return int(config.get("vocab_size", 0)), int(
-        config.get("hidden_size", config.get("dim", 0))
-    )
 
 
 class FallbackModel:
@@ -145,7 +135,9 @@ class FallbackModel:
                 f"expected {FORMAT!r} / {entry.task!r}; rebuild it with "
                 "`berth build-models --force`"
             )
-        vocab, width = _checkpoint_shape(entry)
+        # Its checkpoint's: one built for an earlier checkpoint would answer
+        # in the wrong width.
+        vocab, width = checkpoint_shape(entry.checkpoint_dir)
         if tensors["vectors"].shape != (vocab, width):
             rows, columns = tensors["vectors"].shape
             raise FallbackError(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -30,7 +29,7 @@ from services.errors import (
     as_berth_error,
 )
 from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
-from services.repository import ModelEntry
+from services.repository import ModelEntry, checkpoint_shape
 from services.streams import serve_stream
 from services.telemetry import (
     inject,
@@ -143,8 +142,7 @@ class Model:
         self.entry = entry
         self.encoder = TextEncoder(entry, limits)
         self.labels = entry.label_names()
-        config = json.loads((entry.checkpoint_dir / "config.json").read_text())
-        self.dimension = int(config.get("hidden_size", config.get("dim", 0)))
+        self.dimension = checkpoint_shape(entry.checkpoint_dir)[1]
         self.fallback: FallbackModel | None
         try:
             self.fallback = FallbackModel.load(entry)

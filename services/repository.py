@@ -130,6 +130,13 @@ def _check_classifier(entry: ModelEntry, config_file: Path) -> None:
         )
 
 
+def checkpoint_shape(checkpoint_dir: Path) -> tuple[int, int]:
+    """Vocabulary size and hidden width (DistilBERT: ``dim``) of a checkpoint."""
+    config = json.loads((checkpoint_dir / "config.json").read_text())
+    width = config.get("hidden_size", config.get("dim", 0))
+    return int(config.get("vocab_size", 0)), int(width)
+
+
 def position_limit(checkpoint_dir: Path) -> int:
     """Tokens the checkpoint's position embeddings allow (RoBERTa keeps 2)."""
     config = json.loads((checkpoint_dir / "config.json").read_text())
