@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 
 import grpc
-import numpy as np
 
 from batcher.engines import EngineClient, EnginePool
 from batcher.resilience import BreakerState, CircuitBreaker, HedgeBudget
@@ -16,7 +14,6 @@ from batcher.scheduler import ModelScheduler, SchedulerConfig
 from services.proto.berth.v1 import internal_pb2, internal_pb2_grpc
 from tests.batcher.test_stuck_engine import (
     ENTRY,
-    WIDTH,
     SleepyEngine,
     sequence,
     started,
@@ -133,43 +130,11 @@ class ShortOkLongFails(SleepyEngine):
     """Answers a batch of the 8-token bucket after ``delay_s``; fails one of
     the 16-token bucket at once (an engine broken for long inputs)."""
 
-    async def Run(
-        self,
-        request_iterator: AsyncIterator[internal_pb2.EngineRequest],
-        context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[internal_pb2.BatchResult]:
-        answers: asyncio.Queue[internal_pb2.BatchResult] = asyncio.Queue()
+    def delay_of(self, batch: internal_pb2.Batch) -> float:
+        return 0.0 if batch.length == 16 else self.delay_s
 
-        async def answer(batch: internal_pb2.Batch) -> None:
-            if batch.length == 16:
-                code = grpc.StatusCode.INTERNAL.value[0]
-                answers.put_nowait(
-                    internal_pb2.BatchResult(id=batch.id, code=code, message="long")
-                )
-                return
-            await asyncio.sleep(self.delay_s)
-            output = np.zeros(batch.batch_size * WIDTH, dtype="<f4").tobytes()
-            answers.put_nowait(
-                internal_pb2.BatchResult(
-                    id=batch.id, output=output, width=WIDTH, gpu_utilization=-1
-                )
-            )
-
-        async def read() -> None:
-            async for request in request_iterator:
-                if request.HasField("batch"):
-                    self.received += 1
-                    tasks.add(asyncio.create_task(answer(request.batch)))
-
-        tasks: set[asyncio.Task[None]] = set()
-        reader = asyncio.create_task(read())
-        try:
-            while True:
-                yield await answers.get()
-        finally:
-            reader.cancel()
-            for task in tasks:
-                task.cancel()
+    def fails_batch(self, batch: internal_pb2.Batch) -> bool:
+        return batch.length == 16
 
 
 def test_a_batch_sent_before_the_circuit_opened_does_not_close_it() -> None:

@@ -45,6 +45,14 @@ class SleepyEngine(internal_pb2_grpc.EngineServicer):
         self.held: set[int] = set()
         self.most_held = 0
 
+    def delay_of(self, batch: internal_pb2.Batch) -> float:
+        """How long this batch takes (read when it comes)."""
+        return self.delay_s
+
+    def fails_batch(self, batch: internal_pb2.Batch) -> bool:
+        """Whether this batch is answered with an engine error."""
+        return self.fails
+
     async def Info(
         self, request: internal_pb2.EngineInfoRequest, context: grpc.aio.ServicerContext
     ) -> internal_pb2.EngineInfo:
@@ -62,7 +70,7 @@ class SleepyEngine(internal_pb2_grpc.EngineServicer):
         async def answer(batch: internal_pb2.Batch, delay_s: float) -> None:
             await asyncio.sleep(delay_s)
             self.held.discard(batch.id)
-            if self.fails:
+            if self.fails_batch(batch):
                 code = grpc.StatusCode.INTERNAL.value[0]
                 failed = internal_pb2.BatchResult(id=batch.id, code=code, message="x")
                 answers.put_nowait(failed)
@@ -81,7 +89,8 @@ class SleepyEngine(internal_pb2_grpc.EngineServicer):
                     self.received += 1
                     self.held.add(batch.id)
                     self.most_held = max(self.most_held, len(self.held))
-                    tasks[batch.id] = asyncio.create_task(answer(batch, self.delay_s))
+                    delay_s = self.delay_of(batch)
+                    tasks[batch.id] = asyncio.create_task(answer(batch, delay_s))
                 elif (task := tasks.pop(request.cancel.id, None)) is not None:
                     task.cancel()
                     self.held.discard(request.cancel.id)
