@@ -10,6 +10,7 @@ left between the stages is the gRPC hops and the hand-offs around them.
     python benchmarks/latency.py --model bert-base \
         --model-repository build/e2e/bert-base   # scripts/gpu_run.sh builds it
     python benchmarks/latency.py --batcher-mode inline   # no batcher process
+    python benchmarks/latency.py --idle-cpus spin        # idle CPUs never halt
 """
 
 from __future__ import annotations
@@ -76,6 +77,12 @@ def main() -> None:
     parser.add_argument(
         "--grpc-io", choices=("poller", "event-engine"), default="poller"
     )
+    parser.add_argument(
+        "--idle-cpus",
+        choices=("sleep", "spin"),
+        default="sleep",
+        help="spin: `berth serve --idle-cpus spin` (idle CPUs never halt)",
+    )
     args = parser.parse_args()
     stack = Stack(
         args.model_repository,
@@ -85,6 +92,7 @@ def main() -> None:
             *("--batcher-mode", args.batcher_mode),
             *("--cpu-affinity", args.cpu_affinity),
             *("--grpc-io", args.grpc_io),
+            *("--idle-cpus", args.idle_cpus),
         ],
     )
     stack.wait_serving(600)
@@ -115,7 +123,7 @@ def main() -> None:
     print(
         f"{args.model}, {args.calls} sequential single-text Embed calls, "
         f"{args.gateways} gateway(s), {batching}, CPU affinity {args.cpu_affinity}, "
-        f"gRPC I/O {args.grpc_io}"
+        f"gRPC I/O {args.grpc_io}, idle CPUs {args.idle_cpus}"
     )
     print(f"{'client sees: p50':62} {statistics.median(latencies):8.3f} ms")
     print(f"{'client sees: p90':62} {latencies[int(0.9 * len(latencies))]:8.3f} ms")

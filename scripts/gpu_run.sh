@@ -19,7 +19,9 @@
 #   latency.log        benchmarks/latency.py: a request's time by hop at low
 #                      load, BERT-base, 1 gateway + 1 batcher, then the defaults,
 #                      each with a batcher process and batching inline
-#                      (LATENCY_ARGS adds arguments, e.g. "--cpu-affinity spread")
+#                      (LATENCY_ARGS adds arguments, e.g. "--cpu-affinity spread"),
+#                      each layout with idle CPUs halting and spinning
+#                      (LATENCY_IDLE, default "sleep spin": --idle-cpus)
 # STAGES picks stages (default "tests small bench quant"; "e2e" and "latency" run
 # the stack);
 # BENCH_ARGS goes to benchmarks/engine.py (e.g. "--quick --models bert-base").
@@ -93,14 +95,17 @@ fi
 if [[ " $STAGES " == *" latency "* ]]; then
   many=$(( $(nproc) / 2 > 8 ? 8 : $(nproc) / 2 ))
   for layout in "1 1 service" "1 1 inline" "$many 2 service" "$many 2 inline"; do
-    # shellcheck disable=SC2086  # split into gateways, batchers, mode on purpose
-    set -- $layout
-    timeout 200 $PY benchmarks/latency.py --model bert-base \
-      --model-repository build/e2e/bert-base --gateways "$1" --batchers "$2" \
-      --batcher-mode "$3" ${LATENCY_ARGS:-} >> "$OUT/latency.log" 2>&1
-    echo "latency ($1 gateways, $2 batchers, batching $3): exit $?"
+    for idle in ${LATENCY_IDLE:-sleep spin}; do
+      # shellcheck disable=SC2086  # split into gateways, batchers, mode on purpose
+      set -- $layout
+      timeout 200 $PY benchmarks/latency.py --model bert-base \
+        --model-repository build/e2e/bert-base --gateways "$1" --batchers "$2" \
+        --batcher-mode "$3" --idle-cpus "$idle" ${LATENCY_ARGS:-} \
+        >> "$OUT/latency.log" 2>&1
+      echo "latency ($1 gateways, $2 batchers, batching $3, idle CPUs $idle): exit $?"
+    done
   done
-  grep -v "^20..-" "$OUT/latency.log" | grep -E "calls|client|total|batch_lat|CPU" | tail -n 40
+  grep -v "^20..-" "$OUT/latency.log" | grep -E "calls|client|total|batch_lat|CPU" | tail -n 90
 fi
 
 if [[ " $STAGES " == *" e2e "* ]]; then

@@ -25,6 +25,7 @@ from services.config import (
     add_flag,
     repository_flag,
 )
+from services.idle import IDLE_CHOICES
 
 DEFAULT_ADDRESS = f"127.0.0.1:{DEFAULT_GATEWAY_PORT}"
 
@@ -188,6 +189,42 @@ def pin_children(children: list[Any], gpus: int) -> None:
         )
 
 
+def try_hint(repo: Path, gateway: str) -> str:
+    """' (try: berth embed ...)' with a model the repository serves (an
+    embedding model first), or '' if it cannot be read now."""
+    from services.repository import load_repository
+
+    try:
+        entries = sorted(load_repository(repo).values(), key=lambda e: e.name)
+    except Exception:  # the gateway read it; a hint is not worth failing for
+        return ""
+    if not entries:
+        return ""
+    entry = next((e for e in entries if e.task == "embed"), entries[0])
+    address = "" if gateway == DEFAULT_ADDRESS else f" --address {gateway}"
+    return f" (try: berth {entry.task} --model {entry.name}{address} 'hello world')"
+
+
+def spinners() -> list[Any]:
+    """--idle-cpus spin: a SCHED_IDLE spinner pinned to each CPU this process
+    may use (services/idle.py says why), started first and stopped last."""
+    from services.supervisor import Child, python_module
+
+    cpus = sorted(os.sched_getaffinity(0))
+    parent = ("--parent", str(os.getpid()))
+    logging.getLogger("berth.serve").info(
+        "--idle-cpus spin: a SCHED_IDLE spinner on each of %d CPU(s) (%s), so "
+        "that idle CPUs run instead of halting and a wake-up finds them awake; "
+        "every CPU will show as busy",
+        len(cpus),
+        ",".join(map(str, cpus)),
+    )
+    return [
+        Child(f"idle-{cpu}", python_module("services.idle", *parent), cpus=[cpu])
+        for cpu in cpus
+    ]
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from services.logs import setup_logging
     from services.supervisor import (
@@ -207,6 +244,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ("--batcher-mode", args.batcher_mode, ("service", "inline")),
         ("--grpc-io", args.grpc_io, tuple(GRPC_IO)),
         ("--cpu-affinity", args.cpu_affinity, ("none", "spread")),
+        ("--idle-cpus", args.idle_cpus, IDLE_CHOICES),
     ):
         if value not in allowed:
             log.error("%s must be one of %s, not %r", flag, ", ".join(allowed), value)
@@ -364,6 +402,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         set_grpc_io(children, args.grpc_io, os.environ)
         if args.cpu_affinity == "spread":
             pin_children(children, gpus)
+        if args.idle_cpus == "spin":
+            children = spinners() + children
         supervisor = Supervisor(children)
         supervisor.start()
         log.info(
@@ -378,11 +418,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
         while not supervisor.stopping:
             if not supervisor.served and _health(gateway, timeout=1.0) == "SERVING":
-                print(
-                    f"berth is serving on {gateway} "
-                    f"(try: berth embed --model minilm 'hello world')",
-                    flush=True,
-                )
+                hint = try_hint(repo, gateway)
+                print(f"berth is serving on {gateway}{hint}", flush=True)
                 supervisor.served = True
             failure = supervisor.check()
             if failure is not None:
@@ -585,6 +622,14 @@ def build_parser() -> argparse.ArgumentParser:
         "none",
         "none: processes run on any CPU; spread: each gateway and batcher on "
         "a CPU of its own, each GPU engine on two",
+    )
+    add_flag(
+        serve,
+        "idle-cpus",
+        "sleep",
+        "sleep: idle CPUs halt, as usual; spin: a SCHED_IDLE spinner per CPU "
+        "keeps them running, so a request's many wake-ups are cheap (lower "
+        "latency at low load; costs power; not under a CPU quota)",
     )
     serve.add_argument(
         "--chaos", action="store_true", help="engines take SIGUSR1 to fail batches"

@@ -6,6 +6,11 @@ import logging
 import os
 
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# Libraries that log each step at INFO: torch.onnx's exporter (through
+# onnx_ir / onnxscript) writes a line per deduplicated initializer, ~60 for a
+# 2-layer model and hundreds for the default ones, on every first export.
+# They log at WARNING and above unless BERTH_LOG_LEVEL is DEBUG.
+CHATTY = ("onnx_ir", "onnxscript", "torch.onnx")
 
 
 def setup_logging(service: str) -> logging.Logger:
@@ -21,4 +26,8 @@ def setup_logging(service: str) -> logging.Logger:
         level=level,
         format=f"%(asctime)s {service:<8} %(levelname)-5s %(name)s: %(message)s",
     )
+    if level != "DEBUG":
+        floor = max(logging.WARNING, logging.getLevelName(level))
+        for name in CHATTY:
+            logging.getLogger(name).setLevel(floor)
     return logging.getLogger(f"berth.{service}")

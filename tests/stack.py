@@ -115,10 +115,12 @@ class Stack:
             time.sleep(0.25)
         raise TimeoutError(f"gateway not SERVING after {timeout} s:\n{self.logs()}")
 
-    def logs(self) -> str:
+    def logs(self, tail: int | None = 20000) -> str:
+        """The stack's log, its last ``tail`` characters (None: all of it)."""
         if not self._log.closed:
             self._log.flush()
-        return self.log_path.read_text(errors="replace")[-20000:]
+        text = self.log_path.read_text(errors="replace")
+        return text if tail is None else text[-tail:]
 
     def stop(self, timeout: float = 60.0) -> int:
         if self.proc.poll() is None:

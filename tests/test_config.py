@@ -109,3 +109,30 @@ def test_log_level(tmp_path: Path) -> None:
     assert done.returncode != 0
     assert "BERTH_LOG_LEVEL='verbose'" in done.stderr, done.stderr
     assert "WARNING" in done.stderr, done.stderr  # says what to write instead
+
+
+def test_chatty_libraries_log_warnings_only_unless_debug(tmp_path: Path) -> None:
+    """torch.onnx's exporter (via onnx_ir) logs a line per step at INFO:
+    hundreds per export of the default models, burying berth's own lines."""
+
+    def run(level: str) -> str:
+        code = (
+            "import logging; from services.logs import setup_logging; "
+            "setup_logging('x'); "
+            "logging.getLogger('onnx_ir.passes.common').info('dedup'); "
+            "logging.getLogger('onnx_ir.passes.common').warning('odd'); "
+            "logging.getLogger('berth.x').info('ours')"
+        )
+        return subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=ROOT,
+            env={**os.environ, "BERTH_LOG_LEVEL": level},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stderr
+
+    quiet = run("info")
+    assert "ours" in quiet and "odd" in quiet and "dedup" not in quiet, quiet
+    assert "dedup" in run("debug")

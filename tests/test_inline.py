@@ -1,7 +1,7 @@
 """`berth serve --batcher-mode inline`: each gateway batches its own calls
 and streams to the engines itself (no batcher process); `--cpu-affinity
 spread` pins each gateway to a CPU of its own; `--grpc-io` picks gRPC's I/O
-for every child."""
+for every child; `--idle-cpus spin` runs a SCHED_IDLE spinner on each CPU."""
 
 from __future__ import annotations
 
@@ -30,8 +30,13 @@ def inline(repository: Path) -> Iterator[Stack]:
     stack = Stack(
         repository,
         gateways=2,
-        extra_args=["--batcher-mode", "inline", "--cpu-affinity", "spread"],
+        extra_args=[
+            *("--batcher-mode", "inline"),
+            *("--cpu-affinity", "spread"),
+            *("--idle-cpus", "spin"),
+        ],
     )
+    spinning: list[int] = []
     try:
         stack.wait_serving()
         # Health on the shared port answers from one gateway; wait for both
@@ -40,10 +45,30 @@ def inline(repository: Path) -> Iterator[Stack]:
         while stack.logs().count("gateway SERVING on") < 2:
             assert time.monotonic() < deadline, stack.logs()
             time.sleep(0.2)
+        spinning += spinner_pids(stack)
         yield stack
     finally:
         code = stack.stop()
         assert code == 0, f"berth serve exited with {code}:\n{stack.logs()}"
+    # serve stops its spinners last, with everything else.
+    assert not [pid for pid in spinning if Path(f"/proc/{pid}").exists()]
+
+
+def spinner_pids(stack: Stack) -> list[int]:
+    return [
+        pid
+        for pid, (argv, _) in children(stack.proc.pid).items()
+        if "services.idle" in argv
+    ]
+
+
+def test_idle_cpus_spin_runs_an_idle_class_spinner_per_cpu(inline: Stack) -> None:
+    pids = spinner_pids(inline)
+    cpus = sorted(os.sched_getaffinity(0))
+    assert sorted(min(os.sched_getaffinity(p)) for p in pids) == cpus
+    assert all(len(os.sched_getaffinity(p)) == 1 for p in pids)
+    assert all(os.sched_getscheduler(p) == os.SCHED_IDLE for p in pids)
+    assert "--idle-cpus spin: a SCHED_IDLE spinner on each of" in inline.logs(None)
 
 
 def test_inline_answers_as_the_batcher_does(
@@ -101,9 +126,10 @@ def environ(pid: int) -> dict[str, str]:
 def test_every_process_runs_grpc_pollers_on_uvloop(inline: Stack) -> None:
     """--grpc-io poller (the default) reaches every child, and each service
     says which event loop and gRPC experiments it runs with."""
-    for pid in children(inline.proc.pid):
-        assert environ(pid).get("GRPC_EXPERIMENTS") == GRPC_IO["poller"]
-    logs = inline.logs()
+    for pid, (argv, _) in children(inline.proc.pid).items():
+        if "services.idle" not in argv:  # the spinners run no gRPC
+            assert environ(pid).get("GRPC_EXPERIMENTS") == GRPC_IO["poller"]
+    logs = inline.logs(None)
     for name in ("gateway", "engine"):
         assert re.search(
             rf"{name} listening on \S+ \(event loop: uvloop, gRPC experiments: "
