@@ -21,7 +21,8 @@
 #                      each with a batcher process and batching inline
 #                      (LATENCY_ARGS adds arguments, e.g. "--cpu-affinity spread"),
 #                      each layout with idle CPUs halting and spinning
-#                      (LATENCY_IDLE, default "sleep spin": --idle-cpus)
+#                      (LATENCY_IDLE, default "sleep spin": --idle-cpus;
+#                      LATENCY_LAYOUTS, e.g. "8:2:inline", picks layouts)
 # STAGES picks stages (default "tests small bench quant"; "e2e" and "latency" run
 # the stack);
 # BENCH_ARGS goes to benchmarks/engine.py (e.g. "--quick --models bert-base").
@@ -94,10 +95,11 @@ fi
 
 if [[ " $STAGES " == *" latency "* ]]; then
   many=$(( $(nproc) / 2 > 8 ? 8 : $(nproc) / 2 ))
-  for layout in "1 1 service" "1 1 inline" "$many 2 service" "$many 2 inline"; do
+  for layout in ${LATENCY_LAYOUTS:-1:1:service 1:1:inline $many:2:service $many:2:inline}; do
     for idle in ${LATENCY_IDLE:-sleep spin}; do
-      # shellcheck disable=SC2086  # split into gateways, batchers, mode on purpose
-      set -- $layout
+      IFS=: read -r -a parts <<< "$layout"  # gateways:batchers:mode
+      set -- "${parts[@]}"
+      # shellcheck disable=SC2086  # LATENCY_ARGS split into arguments on purpose
       timeout 200 $PY benchmarks/latency.py --model bert-base \
         --model-repository build/e2e/bert-base --gateways "$1" --batchers "$2" \
         --batcher-mode "$3" --idle-cpus "$idle" ${LATENCY_ARGS:-} \
