@@ -64,7 +64,7 @@ class _Bucket:
         self.full = 0  # reports of full batches since the last decision
         self.known_good = 0  # largest size that met the target (0: none)
         self.ceiling = math.inf  # smallest size that missed the target
-        self.stuck = 0  # windows spent just under the ceiling
+        self.stuck = 0  # windows spent just under this ceiling (0 when it is set)
         self.probe_after = probe_after
 
 
@@ -162,13 +162,18 @@ class AdaptiveSizer:
         if state.latency > target:  # miss: shrink
             if state.known_good >= size:  # the engine got slower: forget it
                 state.known_good = 0
+            # A new ceiling: windows stuck under the old one say nothing about
+            # it (they made a ceiling set lower by a slower engine be probed
+            # after a window or two, not ``probe_after``).
             state.ceiling = size
+            state.stuck = 0
             if state.known_good:
                 return state.known_good
             return max(1, math.floor(size * self.shrink))
         state.known_good = max(state.known_good, size)
         if state.ceiling <= size:  # met at or above an old ceiling: it is stale
             state.ceiling = math.inf
+            state.stuck = 0
             state.probe_after = self._probe_after
         if not self._may_grow(state, target) or 2 * state.full < self.window:
             return size

@@ -31,8 +31,12 @@ class EngineClient(
         self.in_flight = 0  # batches assigned to it and not yet settled
         # Ejection: an engine that fails or stalls sits out a growing back-off
         # and is then probed with real batches again.
-        self.failures = 0
+        self.failures = 0  # in a row, since it last connected or succeeded
         self.ejected_until = 0.0
+        # Failures in a row before it last reconnected, whose ejection the
+        # reconnect lifted: held against it until it answers a batch
+        # (_reconnected).
+        self.failures_before_reconnect = 0
         self.gpu_utilization: float | None = None
         self._on_change = on_change
         self._stub = internal_pb2_grpc.EngineStub(self.channel)
@@ -47,26 +51,71 @@ class EngineClient(
         return self.connected and time.monotonic() >= self.ejected_until
 
     def record_success(self) -> None:
-        if self.failures:
+        if self.failures or self.failures_before_reconnect:
             log.info("engine %s answers again: back in rotation", self.address)
         self.failures = 0
+        self.failures_before_reconnect = 0
 
     def record_failure(self, reason: str) -> None:
         """Eject for 0.5 s, 1 s, 2 s ... up to 30 s after each failure in a row.
 
+        Failures a reconnect forgave still count here, until a success: an
+        engine that restarts and fails again resumes its back-off instead of
+        starting it over at 0.5 s (see :meth:`_reconnected`).
+
         (The exponent is capped too: an engine failing every probe for hours
         reached 1,025 failures, and 2.0 ** 1024 overflows.)"""
         self.failures += 1
-        backoff = min(MAX_EJECTION_S, 0.5 * 2 ** min(self.failures - 1, 16))
+        earlier = self.failures_before_reconnect
+        in_a_row = earlier + self.failures
+        backoff = min(MAX_EJECTION_S, 0.5 * 2 ** min(in_a_row - 1, 16))
         self.ejected_until = time.monotonic() + backoff
         log.warning(
-            "engine %s ejected for %.1f s (%d failures in a row): %s",
+            "engine %s ejected for %.1f s (%d failures in a row%s): %s",
             self.address,
             backoff,
-            self.failures,
+            in_a_row,
+            f", {earlier} of them before it reconnected" if earlier else "",
             reason,
         )
         self._on_change()
+
+    def _reconnected(self) -> None:
+        """A new stream is up (its Info answered), most often to a restarted
+        engine process: it starts with a clean slate, its failures reset and
+        its ejection lifted. (They carried over, and a restarted healthy
+        engine sat out the rest of a back-off of up to 30 s earned by the
+        process before it.)
+
+        A flapping engine (one that restarts and fails again, over and over)
+        must still be kept out, so the slate is clean on probation only: the
+        failures it had are kept aside (``failures_before_reconnect``) until
+        it answers a batch. A failure before that resumes the back-off where
+        it was (:meth:`record_failure`), not at 0.5 s; and while on probation
+        a reconnect lifts nothing, so an engine that keeps failing between
+        restarts sits out its growing back-off like any failing engine."""
+        if self.failures_before_reconnect:  # on probation: no new slate
+            self.failures_before_reconnect += self.failures
+            self.failures = 0
+            if time.monotonic() < self.ejected_until:
+                log.warning(
+                    "engine %s reconnected, but has failed and answered no "
+                    "batch since an earlier reconnect: it stays ejected for "
+                    "%.1f s (%d failures in a row)",
+                    self.address,
+                    self.ejected_until - time.monotonic(),
+                    self.failures_before_reconnect,
+                )
+            return
+        if self.failures:
+            log.info(
+                "engine %s reconnected: back in rotation, its %d failures in a "
+                "row held against it until it answers a batch",
+                self.address,
+                self.failures,
+            )
+        self.failures_before_reconnect, self.failures = self.failures, 0
+        self.ejected_until = 0.0
 
     def take_slot(self) -> None:
         """Count a batch against this engine now, before its task first runs.
@@ -109,6 +158,7 @@ class EngineClient(
 
     def _connection_changed(self, connected: bool, reason: str) -> None:
         if connected:
+            self._reconnected()
             log.info(
                 "engine %s connected: %s on %s",
                 self.address,

@@ -90,6 +90,79 @@ def _error(
     return internal_pb2.SequenceResult(id=reply_id, code=code.value[0], message=message)
 
 
+def malformed(group: internal_pb2.Sequences, max_tokens: int) -> str | None:
+    """What is wrong with one Sequences entry, naming the field and its value;
+    None when it is well-formed.
+
+    The gateway never sends a malformed entry, but another client of the
+    internal API (or a bug) may: token bytes that are no whole number of
+    int32 (which made the batcher's stream handler raise, ending the stream
+    and every request on it), offsets that do not tile token_ids from 0 to
+    its end (a sequence's tokens would be cut from the wrong place, or the
+    tail ignored), a sequence of no tokens or more than the model takes, or
+    an id twice (two answers for one id). Sequences are checked in order and
+    the first fault is named by its sequence's id. (The core checks lengths
+    and bounds too, as a last line, but names neither ids nor the model.)
+    """
+    ids = group.ids
+    n = len(ids)
+    token_bytes, offset_bytes = len(group.token_ids), len(group.offsets)
+    if not n:
+        return "ids is empty"
+    if token_bytes % 4:
+        return (
+            f"token_ids holds {token_bytes} bytes, not a whole number of int32 "
+            "tokens (a multiple of 4)"
+        )
+    if offset_bytes % 4:
+        return (
+            f"offsets holds {offset_bytes} bytes, not a whole number of int32 "
+            "offsets (a multiple of 4)"
+        )
+    if offset_bytes // 4 != n + 1:
+        return (
+            f"offsets holds {offset_bytes // 4} entries; {n} ids need "
+            f"len(ids) + 1 = {n + 1}"
+        )
+    offsets = memoryview(group.offsets).cast("i")
+    n_tokens = token_bytes // 4
+    if offsets[0] != 0:
+        return f"offsets[0] is {offsets[0]}; it must be 0"
+    start = 0
+    for i in range(n):
+        end = offsets[i + 1]
+        if end > n_tokens:
+            return (
+                f"offsets[{i + 1}] = {end} is past the {n_tokens} tokens of "
+                f"token_ids (sequence id {ids[i]})"
+            )
+        if end < start:
+            return (
+                f"offsets decrease at sequence id {ids[i]}: offsets[{i}] = "
+                f"{start} > offsets[{i + 1}] = {end}"
+            )
+        if end == start:
+            return (
+                f"sequence id {ids[i]} has no tokens (offsets[{i}] = "
+                f"offsets[{i + 1}] = {end})"
+            )
+        if end - start > max_tokens:
+            return (
+                f"sequence id {ids[i]} has {end - start} tokens; the model takes "
+                f"at most {max_tokens}"
+            )
+        start = end
+    if start != n_tokens:
+        return f"offsets end at {start}, but token_ids holds {n_tokens} tokens"
+    if len(set(ids)) != n:
+        seen: set[int] = set()
+        for seq_id in ids:
+            if seq_id in seen:
+                return f"sequence id {seq_id} appears twice in ids"
+            seen.add(seq_id)
+    return None
+
+
 class ModelScheduler:
     """Owns one model's queues and sends its batches to engines."""
 
@@ -98,6 +171,10 @@ class ModelScheduler:
     ) -> None:
         self.name = entry.name
         self.entry = entry
+        # The longest sequence it takes: the longest bucket (the core batches
+        # none longer), unless max_tokens is lower (not so once loaded from
+        # the repository, which ends the buckets at max_tokens).
+        self.max_tokens = min(entry.max_tokens, max(entry.buckets))
         self.pool = pool
         self.config = config
         self.core = BucketCore(
@@ -139,8 +216,18 @@ class ModelScheduler:
         """Queue one request's texts, all or none.
 
         Returns (sequence id, key) pairs for cancel; refused texts are
-        answered at once through ``deliver``.
+        answered at once through ``deliver``, a malformed entry's
+        INVALID_ARGUMENT (:func:`malformed`) before anything else.
         """
+        problem = malformed(group, self.max_tokens)
+        if problem is not None:
+            message = f"malformed Sequences for model {self.name!r}: {problem}"
+            if not group.ids:  # nobody to answer: at least say so here
+                log.warning("%s (ignored)", message)
+            self._refuse(
+                group, deliver, grpc.StatusCode.INVALID_ARGUMENT, "invalid", message
+            )
+            return []
         now = time.monotonic()
         refusal = self._refusal()
         if refusal is not None:

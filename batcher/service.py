@@ -66,7 +66,7 @@ class BatcherService(internal_pb2_grpc.BatcherServicer):
             try:
                 async for message in request_iterator:
                     for group in message.sequences:
-                        self._submit(group, deliver, queued)
+                        self._guarded_submit(group, deliver, out.put_nowait, queued)
                     for seq_id in message.cancel.ids:
                         entry = queued.pop(seq_id, None)
                         if entry is not None:
@@ -96,12 +96,61 @@ class BatcherService(internal_pb2_grpc.BatcherServicer):
         finally:
             reader.cancel()
 
+    def _guarded_submit(
+        self,
+        group: internal_pb2.Sequences,
+        deliver: Deliver,
+        reply: Deliver,
+        queued: dict[int, tuple[ModelScheduler, int]],
+    ) -> None:
+        """Queue one entry; an error queuing it (a bug) fails its ids alone.
+
+        Raised in the stream's reader it ended the whole stream: every
+        request of the gateway in flight on it, for one bad entry."""
+        try:
+            self._submit(group, deliver, reply, queued)
+        except Exception as exc:
+            log.exception("queuing sequences %s for %r failed", group.ids, group.model)
+            message = (
+                f"batcher failed to queue sequences for model {group.model!r}: "
+                f"{type(exc).__name__}: {exc}"
+            )
+            code = grpc.StatusCode.INTERNAL.value[0]
+            for seq_id in group.ids:
+                reply(
+                    internal_pb2.SequenceResult(id=seq_id, code=code, message=message)
+                )
+
     def _submit(
         self,
         group: internal_pb2.Sequences,
         deliver: Deliver,
+        reply: Deliver,
         queued: dict[int, tuple[ModelScheduler, int]],
     ) -> None:
+        """Queue one entry with its model's scheduler, which answers it at
+        once if malformed (:func:`batcher.scheduler.malformed`) or refused.
+
+        ``deliver`` answers a queued id and forgets it; ``reply`` only sends
+        the answer. An id this stream still waits on is refused through
+        ``reply``: its queued namesake keeps its place in ``queued``, so that
+        it can still be cancelled, and the stream waits for its answer."""
+        if not queued.keys().isdisjoint(group.ids):
+            taken = next(seq_id for seq_id in group.ids if seq_id in queued)
+            message = (
+                f"malformed Sequences for model {group.model!r}: sequence id "
+                f"{taken} is already queued on this stream (ids must be unique "
+                "among a stream's unanswered sequences)"
+            )
+            for seq_id in group.ids:
+                reply(
+                    internal_pb2.SequenceResult(
+                        id=seq_id,
+                        code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                        message=message,
+                    )
+                )
+            return
         scheduler = self.schedulers.get(group.model)
         if scheduler is None:
             for seq_id in group.ids:

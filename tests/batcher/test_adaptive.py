@@ -187,3 +187,37 @@ def test_per_bucket_targets_and_validation() -> None:
         AdaptiveSizer(core, latency_target_s=0.0)
     with pytest.raises(ValueError):
         AdaptiveSizer(core, grow=1.0)
+
+
+def test_a_new_ceiling_starts_its_stuck_count_afresh() -> None:
+    """Windows stuck under one ceiling say nothing of the next: a ceiling set
+    lower (the engine got slower) is probed after ``probe_after`` windows
+    settled under it, not after the windows the old one had left. (The
+    count carried over, and the new ceiling was probed at once: one more
+    batch over the target.)
+
+    An engine meets the target below 40 rows and misses it from 40: the
+    size settles at 39 under a ceiling of 40, three windows of four stuck.
+    Then it slows, meeting it only below 30: a miss at 39 sets a new ceiling,
+    and the size settles at 29 under a ceiling of 30."""
+    core = BucketCore([32, 64, 128, 256], token_budget=65536, max_delay_s=0.005)
+    sizer = AdaptiveSizer(core, latency_target_s=TARGET, window=1, probe_after=4)
+    core.set_batch_size(BUCKET, 10)
+    limit = 40
+
+    def window() -> int:
+        """One window (one report): a full batch at the size, GPU idle."""
+        n = core.batch_size(BUCKET)
+        latency = TARGET * (10 if n >= limit else 0.5)
+        sizer.report(BUCKET, n, latency, 10.0)
+        return n
+
+    sizes = [window() for _ in range(15)]
+    assert sizes[-4:] == [40, 39, 39, 39], sizes  # the 4th at 39 would probe 40
+    assert sizer._buckets[BUCKET].stuck == 3
+    limit = 30
+    sizes = [window() for _ in range(12)]
+    # 39 misses (a new ceiling), 31 misses, then it grows back under 31 and
+    # probes 30, which misses: settled at 29 under the ceiling of 30.
+    assert sizes[:6] == [39, 31, 24, 27, 29, 30], sizes
+    assert sizes[6:] == [29, 29, 29, 29, 30, 29], "30 probed too soon"
