@@ -52,6 +52,8 @@ def cpu_seconds(parent: int) -> dict[str, float]:
     """CPU seconds so far of each child of ``parent``, by role."""
     out: dict[str, float] = {}
     for argv, cpu in children(parent).values():
+        if "services.idle" in argv:  # --idle-cpus spin: they take what is idle
+            continue
         role = next((r for r in ("gateway", "batcher", "engine") if r in argv), "?")
         out[role] = out.get(role, 0.0) + cpu
     return out

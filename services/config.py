@@ -11,6 +11,18 @@ DEFAULT_GATEWAY_PORT = 50051
 DEFAULT_BATCHER_PORT = 50060
 DEFAULT_ENGINE_PORT = 50070
 
+# HTTP/2 keepalive of berth's channels and servers (services/channels.py),
+# from BERTH_KEEPALIVE_TIME_MS and BERTH_KEEPALIVE_TIMEOUT_MS. No flags: every
+# process reads them itself, so set them alike on all of them. A channel
+# pings after 10 s in which nothing came from its peer, and a peer that does
+# not answer within 5 s is taken for gone: its stream fails UNAVAILABLE with
+# what was in flight on it, and the client reconnects. A vanished host
+# (powered off, partitioned away) sends no FIN or RST; without pings its
+# streams looked up until TCP gave up, minutes to hours later, and every
+# request on them waited out its deadline.
+DEFAULT_KEEPALIVE_TIME_MS = 10_000
+DEFAULT_KEEPALIVE_TIMEOUT_MS = 5_000
+
 
 TRUE = ("1", "true", "yes", "on")
 FALSE = ("0", "false", "no", "off")

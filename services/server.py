@@ -22,7 +22,7 @@ from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.channels import SERVER_OPTIONS
+from services.channels import server_options
 from services.errors import BerthError, InvalidInput, abort
 
 # A front door's lame duck after turning NOT_SERVING (the gateway's
@@ -45,7 +45,7 @@ class ServiceServer:
         max_message_bytes: int | None = None,
     ) -> None:
         self.name = name
-        options = list(SERVER_OPTIONS)
+        options = server_options()  # (BERTH_KEEPALIVE_* read now)
         if max_message_bytes is not None:
             # A public front door accepts less than the internal hops.
             key = "grpc.max_receive_message_length"

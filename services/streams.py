@@ -13,6 +13,8 @@ import asyncio
 import contextlib
 import functools
 import logging
+import random
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, Generic, TypeVar
 
@@ -28,7 +30,32 @@ Out = TypeVar("Out")  # what we send on the stream
 In = TypeVar("In")  # what the peer sends back
 Item = TypeVar("Item")  # one answer inside an In message
 
-RECONNECT_DELAY_S = 0.2
+# Reconnecting (see reconnect_delay): the first retry comes at once, as a
+# restarted peer should be streamed to again promptly; each failure in a row
+# doubles the wait, up to RECONNECT_MAX_S, so a peer that keeps refusing is
+# not tried five times a second forever.
+RECONNECT_FIRST_S = 0.05
+RECONNECT_MAX_S = 2.0
+RECONNECT_JITTER = 0.2  # each wait is spread +-20% at random
+# A stream that stayed up this long worked: the next loss starts the back-off
+# afresh. (One that failed sooner counts as a failure in a row: a peer that
+# accepts each stream and drops it at once is backed off too.)
+STABLE_STREAM_S = 5.0
+# While a peer keeps failing, say so at most this often.
+FAILURE_LOG_EVERY_S = 60.0
+
+
+def reconnect_delay(
+    failures: int, uniform: Callable[[], float] = random.random
+) -> float:
+    """Seconds to wait before the next try after ``failures`` (1 or more)
+    failures in a row: RECONNECT_FIRST_S, doubling with each further
+    failure, up to RECONNECT_MAX_S; each spread by RECONNECT_JITTER at
+    random (``uniform``: a number in [0, 1)), so that the clients of one
+    restarted peer do not all come back in step."""
+    doublings = min(max(failures, 1) - 1, 16)  # (2.0 ** 1024 overflows)
+    base = min(RECONNECT_MAX_S, RECONNECT_FIRST_S * 2**doublings)
+    return base * (1 + RECONNECT_JITTER * (2 * uniform() - 1))
 
 
 class StreamClient(Generic[Out, In, Item]):
@@ -40,6 +67,11 @@ class StreamClient(Generic[Out, In, Item]):
         self._pending: dict[int, asyncio.Future[Item]] = {}
         self._outbox: asyncio.Queue[Out | None] | None = None
         self._task: asyncio.Task[None] | None = None
+        # Reconnecting: tries in a row that gave no lasting stream, when
+        # the current stream opened, when a failure was last logged.
+        self._failed_tries = 0
+        self._opened_at: float | None = None
+        self._failure_logged = 0.0
 
     # ---- hooks for subclasses ----------------------------------------------
 
@@ -120,25 +152,83 @@ class StreamClient(Generic[Out, In, Item]):
 
     async def _connect_forever(self) -> None:
         while True:
+            self._opened_at = None
+            unexpected: Exception | None = None
             try:
                 await self._serve_stream()
                 reason = "stream ended"
             except grpc.aio.AioRpcError as exc:
                 reason = f"{exc.code().name}: {exc.details()}"
             except Exception as exc:  # (an answer it cannot read, a bug)
-                log.exception("stream to %s failed", self.address)
+                unexpected = exc
                 reason = f"stream failed: {exc!r}"
             was_connected = self._outbox is not None
             self._outbox = None
             self._fail_pending(reason)
             if was_connected:
                 self._connection_changed(False, reason)
-            await asyncio.sleep(RECONNECT_DELAY_S)
+            lasted = (
+                time.monotonic() - self._opened_at
+                if self._opened_at is not None
+                else 0.0
+            )
+            self._failed_tries = (
+                1 if lasted >= STABLE_STREAM_S else self._failed_tries + 1
+            )
+            delay = reconnect_delay(self._failed_tries)
+            self._log_failure(reason, delay, was_connected, unexpected)
+            await asyncio.sleep(delay)
+
+    def _log_failure(
+        self,
+        reason: str,
+        delay: float,
+        was_connected: bool,
+        unexpected: Exception | None,
+    ) -> None:
+        """Say why there is no stream: at the first failure of a run, then
+        at most every FAILURE_LOG_EVERY_S while the run goes on (each try
+        only at DEBUG), not five lines a second about a peer that is down."""
+        now = time.monotonic()
+        first = self._failed_tries == 1
+        if not first and now - self._failure_logged < FAILURE_LOG_EVERY_S:
+            log.debug(
+                "stream to %s: %d tries in a row failed (%s); next in %.2f s",
+                self.address,
+                self._failed_tries,
+                reason,
+                delay,
+            )
+            return
+        self._failure_logged = now
+        if unexpected is not None:  # a bug or a garbled answer: say where
+            log.error(
+                "stream to %s failed (%d tries in a row); retrying in %.2f s",
+                self.address,
+                self._failed_tries,
+                delay,
+                exc_info=unexpected,
+            )
+        elif not first:  # (the run's first said it; this says it goes on)
+            log.warning(
+                "stream to %s: %d tries in a row failed (last: %s); "
+                "retrying, next in %.2f s",
+                self.address,
+                self._failed_tries,
+                reason,
+                delay,
+            )
+        elif not was_connected:  # (a stream that was up going down is the
+            # subclass's to tell, in _connection_changed)
+            log.warning(
+                "no stream to %s (%s); retrying with back-off", self.address, reason
+            )
 
     async def _serve_stream(self) -> None:
         await self._handshake()
         outbox: asyncio.Queue[Out | None] = asyncio.Queue()
         call = self._open(_drain(outbox, self._merge))
+        self._opened_at = time.monotonic()
         try:
             self._outbox = outbox
             self._connection_changed(True, "")
