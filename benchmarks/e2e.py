@@ -804,7 +804,14 @@ def main() -> int:
     for name, result in results.items():
         steps = [Step(**s) for s in result["steps"]]
         hit, first = steps[-1], steps[0]
-        print(f"\n== {name}: {PROFILES.get(name, Profile(name, '')).about}")
+        profile = result["profile"]
+        about = profile["about"] + "".join(
+            f" {key}={value}"
+            for key in ("engines", "gateways", "batchers", "buckets")
+            if (value := profile[key])
+        )
+        settings = " ".join(f"{k}={v}" for k, v in profile["env"].items())
+        print(f"\n== {name}: {about}{' ' + settings if settings else ''}")
         print(table(steps))
         print(
             f"served single-text requests ({args.api}): "
