@@ -400,6 +400,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             # entries, whatever their names, are never rewritten.
             build_models(repo)
         set_grpc_io(children, args.grpc_io, os.environ)
+        for child in children:
+            # Gateways share --port, and every child binds next to serve's
+            # hold on its port (services/supervisor.py): SO_REUSEPORT.
+            child.env["BERTH_REUSE_PORT"] = "1"
         if args.cpu_affinity == "spread":
             pin_children(children, gpus)
         if args.idle_cpus == "spin":

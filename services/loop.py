@@ -9,6 +9,7 @@ asyncio keeps the standard library's loop.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -28,9 +29,16 @@ def loop_name() -> str:
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:
-    """asyncio.run(main) on the chosen loop."""
-    if loop_name() == "uvloop":
-        import uvloop
+    """asyncio.run(main) on the chosen loop. A service that cannot listen
+    where it was told (services.server.ListenError) exits 1 saying why."""
+    from services.server import ListenError
 
-        return uvloop.run(main)
-    return asyncio.run(main)
+    try:
+        if loop_name() == "uvloop":
+            import uvloop
+
+            return uvloop.run(main)
+        return asyncio.run(main)
+    except ListenError as exc:
+        logging.getLogger("berth.server").error("%s", exc)
+        raise SystemExit(1) from None

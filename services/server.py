@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.channels import server_options
+from services.config import env
 from services.errors import BerthError, InvalidInput, abort
 
 # A front door's lame duck after turning NOT_SERVING (the gateway's
@@ -34,8 +35,21 @@ log = logging.getLogger("berth.server")
 OVERALL = ""  # the health service name that stands for the whole server
 
 
+class ListenError(OSError):
+    """A service cannot listen where it was told to (services.loop.run ends
+    the process with this message and exit code 1, no traceback)."""
+
+
 class ServiceServer:
-    """One gRPC server with health, reflection and graceful drain."""
+    """One gRPC server with health, reflection and graceful drain.
+
+    gRPC listens with SO_REUSEPORT unless told not to, so a second process
+    started on a port another one serves joined it without an error, and
+    the kernel split the callers between the two. A service binds its port
+    alone unless ``reuse_port`` (default: BERTH_REUSE_PORT, off): `berth
+    serve` turns it on for its children, whose gateways share their port on
+    purpose and which bind next to serve's hold on their ports
+    (services/supervisor.py)."""
 
     def __init__(
         self,
@@ -43,9 +57,13 @@ class ServiceServer:
         address: str,
         service_names: Iterable[str],
         max_message_bytes: int | None = None,
+        reuse_port: bool | None = None,
     ) -> None:
         self.name = name
+        if reuse_port is None:
+            reuse_port = env("reuse_port", False)
         options = server_options()  # (BERTH_KEEPALIVE_* read now)
+        options.append(("grpc.so_reuseport", int(reuse_port)))
         if max_message_bytes is not None:
             # A public front door accepts less than the internal hops.
             key = "grpc.max_receive_message_length"
@@ -62,9 +80,18 @@ class ServiceServer:
             ],
             self.server,
         )
-        self.port = self.server.add_insecure_port(address)
+        try:
+            self.port = self.server.add_insecure_port(address)
+        except RuntimeError:  # gRPC's "Failed to bind to address"
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"{name}: cannot listen on {address} (port in use?)")
+            shared = (
+                "another process listens there"
+                if reuse_port
+                else "another process listens there (only processes started with "
+                "BERTH_REUSE_PORT=1, as berth serve starts its own, share a port)"
+            )
+            raise ListenError(f"{name}: cannot listen on {address}: {shared}")
         self.address = f"{address.rsplit(':', 1)[0]}:{self.port}"
         self._stop = asyncio.Event()
 

@@ -1,0 +1,103 @@
+"""A service binds its port alone: a second process on a port another
+serves exits 1 saying so, instead of joining it (gRPC's SO_REUSEPORT) and
+taking half the callers. `berth serve` turns sharing on for its own children
+(BERTH_REUSE_PORT=1: its gateways share --port; tests/test_gateways.py and
+tests/test_serve_ports.py cover serve)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from services.server import ListenError, ServiceServer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_second_server_on_a_port_is_refused_unless_both_share() -> None:
+    async def scenario() -> None:
+        port = free_port()
+        first = ServiceServer("first", f"127.0.0.1:{port}", [], reuse_port=False)
+        await first.start()
+        try:
+            with pytest.raises(ListenError, match=f"cannot listen on 127.0.0.1:{port}"):
+                ServiceServer("second", f"127.0.0.1:{port}", [], reuse_port=True)
+        finally:
+            await first.server.stop(None)
+        port = free_port()
+        a = ServiceServer("a", f"127.0.0.1:{port}", [], reuse_port=True)
+        b = ServiceServer("b", f"127.0.0.1:{port}", [], reuse_port=True)
+        assert a.port == b.port == port
+        await a.server.stop(None)
+        await b.server.stop(None)
+
+    asyncio.run(scenario())
+
+
+def test_reuse_port_comes_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def pair() -> None:
+        port = free_port()
+        a = ServiceServer("a", f"127.0.0.1:{port}", [])
+        try:
+            ServiceServer("b", f"127.0.0.1:{port}", [])
+        finally:
+            await a.server.stop(None)
+
+    with pytest.raises(ListenError, match="BERTH_REUSE_PORT=1"):
+        asyncio.run(pair())
+    monkeypatch.setenv("BERTH_REUSE_PORT", "1")
+    asyncio.run(pair())  # both bind
+
+
+def test_a_second_batcher_on_a_served_port_exits_1_saying_why(
+    repository: Path, tmp_path: Path
+) -> None:
+    port = free_port()
+    argv = [
+        sys.executable,
+        "-m",
+        "batcher",
+        *("--host", "127.0.0.1", "--port", str(port)),
+        *("--engines", "127.0.0.1:1", "--metrics-port", "0"),
+        *("--model-repository", str(repository)),
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "BERTH_REUSE_PORT"}
+    log = tmp_path / "first.log"
+    with log.open("wb") as out:
+        first = subprocess.Popen(
+            argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # until the first one listens
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert first.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, "the first batcher never listened"
+            time.sleep(0.1)
+        second = subprocess.run(
+            argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+        )
+        assert second.returncode == 1, second.stderr
+        assert f"cannot listen on 127.0.0.1:{port}" in second.stderr, second.stderr
+        assert "Traceback" not in second.stderr, second.stderr
+        assert first.poll() is None  # the first one serves on
+    finally:
+        first.terminate()
+        first.wait(30)
