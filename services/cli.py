@@ -451,41 +451,70 @@ def _options(args: argparse.Namespace) -> Any:
     return options
 
 
+# Texts per call when they come from stdin (the gateway's default --max-texts).
+STDIN_CHUNK = 256
+
+
+def _texts(args: argparse.Namespace) -> list[list[str]]:
+    """The command's texts, in calls: the arguments in one, or with the one
+    argument ``-``, stdin's lines (blank ones skipped) in calls of
+    STDIN_CHUNK."""
+    if args.texts != ["-"]:
+        return [args.texts]
+    lines = [line.rstrip("\r\n") for line in sys.stdin]
+    texts = [line for line in lines if line.strip()]
+    if not texts:
+        raise SystemExit("berth: no texts on stdin (one text per line)")
+    return [texts[i : i + STDIN_CHUNK] for i in range(0, len(texts), STDIN_CHUNK)]
+
+
 def cmd_embed(args: argparse.Namespace) -> int:
     from services.proto.berth.v1 import berth_pb2
 
-    response = _stub(args.address).Embed(
-        berth_pb2.EmbedRequest(
-            model=args.model, texts=args.texts, options=_options(args)
-        ),
-        timeout=args.timeout,
-    )
-    out = [
-        {"embedding": list(e.values), "tokens": e.tokens} for e in response.embeddings
-    ]
-    _print(out, degraded=response.degraded)
+    stub = _stub(args.address)
+    out: list[dict[str, Any]] = []
+    degraded = False
+    for texts in _texts(args):
+        response = stub.Embed(
+            berth_pb2.EmbedRequest(
+                model=args.model, texts=texts, options=_options(args)
+            ),
+            timeout=args.timeout,
+        )
+        degraded |= response.degraded
+        out += [
+            {"embedding": list(e.values), "tokens": e.tokens}
+            for e in response.embeddings
+        ]
+    _print(out, degraded=degraded)
     return 0
 
 
 def cmd_classify(args: argparse.Namespace) -> int:
     from services.proto.berth.v1 import berth_pb2
 
-    response = _stub(args.address).Classify(
-        berth_pb2.ClassifyRequest(
-            model=args.model, texts=args.texts, options=_options(args), top_k=args.top_k
-        ),
-        timeout=args.timeout,
-    )
+    stub = _stub(args.address)
     out = []
-    for result in response.results:
-        item: dict[str, Any] = {
-            "label": result.labels[0].label,
-            "score": result.labels[0].score,
-        }
-        if args.top_k > 1:
-            item["top"] = [{"label": s.label, "score": s.score} for s in result.labels]
-        out.append(item)
-    _print(out, degraded=response.degraded)
+    degraded = False
+    for texts in _texts(args):
+        response = stub.Classify(
+            berth_pb2.ClassifyRequest(
+                model=args.model, texts=texts, options=_options(args), top_k=args.top_k
+            ),
+            timeout=args.timeout,
+        )
+        degraded |= response.degraded
+        for result in response.results:
+            item: dict[str, Any] = {
+                "label": result.labels[0].label,
+                "score": result.labels[0].score,
+            }
+            if args.top_k > 1:
+                item["top"] = [
+                    {"label": s.label, "score": s.score} for s in result.labels
+                ]
+            out.append(item)
+    _print(out, degraded=degraded)
     return 0
 
 
@@ -646,7 +675,12 @@ def build_parser() -> argparse.ArgumentParser:
         ("classify", cmd_classify, "intent"),
     ):
         p = sub.add_parser(name, help=f"{name} texts through a running gateway")
-        p.add_argument("texts", nargs="+", metavar="TEXT")
+        p.add_argument(
+            "texts",
+            nargs="+",
+            metavar="TEXT",
+            help="texts; a lone - reads one text per line from stdin",
+        )
         p.add_argument("--model", default=default_model)
         p.add_argument(
             "--truncate", action="store_true", help="cut texts over the limit"

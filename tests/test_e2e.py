@@ -87,6 +87,42 @@ def test_cli_classify_alarm(stack: Stack) -> None:
     assert 0.0 < out[0]["score"] <= 1.0
 
 
+def test_cli_reads_texts_from_stdin_in_calls_the_gateway_takes(
+    stack: Stack, client: berth_pb2_grpc.BerthStub
+) -> None:
+    """`berth classify -`: one text per line, blank lines skipped, sent in
+    calls of at most 256 (the gateway's --max-texts), answers in order."""
+    texts = [f"{UTTERANCES[i % len(UTTERANCES)]} {i}" for i in range(300)]
+    stdin = "\n".join(texts[:150]) + "\n\n  \n" + "\n".join(texts[150:]) + "\n"
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", "classify", "--model", "intent", "-"]
+        + ["--address", stack.gateway],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    got = [item["label"] for item in json.loads(done.stdout)]
+    want = [
+        r.labels[0].label
+        for chunk in (texts[:150], texts[150:])
+        for r in client.Classify(
+            berth_pb2.ClassifyRequest(model="intent", texts=chunk), timeout=60
+        ).results
+    ]
+    assert got == want
+    empty = subprocess.run(
+        [sys.executable, "-m", "services.cli", "embed", "-"]
+        + ["--address", stack.gateway],
+        input="\n\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert empty.returncode != 0 and "no texts on stdin" in empty.stderr
+
+
 def test_intent_agrees_with_package_head(
     client: berth_pb2_grpc.BerthStub, st_model: Any
 ) -> None:
