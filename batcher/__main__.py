@@ -12,7 +12,7 @@ from batcher.scheduler import ModelScheduler
 from batcher.service import BatcherService
 from services.config import DEFAULT_BATCHER_PORT, add_flag, repository_flag
 from services.logs import setup_logging
-from services.loop import run
+from services.loop import freeze_startup_heap, run
 from services.metrics import serve_metrics
 from services.proto.berth.v1 import internal_pb2, internal_pb2_grpc
 from services.repository import load_repository
@@ -53,6 +53,7 @@ async def main(args: argparse.Namespace) -> None:
         BatcherService(schedulers), server.server
     )
     await server.start()
+    freeze_startup_heap()
     log.info(
         "batcher core: %s; models %s; buckets %s; engines %s",
         IMPLEMENTATION,

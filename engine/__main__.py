@@ -12,7 +12,7 @@ from engine.cuda_graphs import bucket_shapes
 from engine.service import EngineService
 from services.config import DEFAULT_ENGINE_PORT, add_flag, repository_flag
 from services.logs import setup_logging
-from services.loop import run
+from services.loop import freeze_startup_heap, run
 from services.metrics import serve_metrics
 from services.proto.berth.v1 import internal_pb2, internal_pb2_grpc
 from services.repository import ModelEntry, RepositoryError, load_repository
@@ -87,6 +87,7 @@ async def main(args: argparse.Namespace) -> None:
         await asyncio.to_thread(backend.load, entry)
         shapes = warmup_shapes(own.device, entry, args.max_batch, args.token_budget)
         await asyncio.to_thread(backend.warmup, name, shapes)
+    freeze_startup_heap()  # (the models and their warm-up included)
     service.ready = True
     await server.set_serving(True)
     log.info("engine SERVING %s on %s", ", ".join(models), server.address)

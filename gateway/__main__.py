@@ -22,7 +22,7 @@ from services.config import (
 )
 from services.errors import BerthError, Unavailable
 from services.logs import setup_logging
-from services.loop import run
+from services.loop import freeze_startup_heap, run
 from services.metrics import serve_metrics
 from services.proto.berth.v1 import berth_pb2
 from services.repository import load_repository
@@ -173,6 +173,7 @@ async def main(args: argparse.Namespace) -> None:
     )
     KServeService(gateway).add_to_server(server)
     await server.start()
+    freeze_startup_heap()
     log.info(
         "gateway models: %s; %s",
         ", ".join(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import struct
 from collections.abc import AsyncIterator, Iterable
 from typing import Any, Protocol
 
@@ -46,18 +47,25 @@ def sequences(
     timeout_ms: int,
     trace_context: dict[str, str] | None,
 ) -> internal_pb2.Sequences:
-    """One request's token ids, packed as the batcher takes them."""
-    offsets = np.zeros(len(ids) + 1, dtype="<i4")
-    np.cumsum([len(x) for x in ids], out=offsets[1:])
+    """One request's token ids, packed as the batcher takes them.
+
+    The offsets are packed by struct, not numpy, and an empty trace context
+    is left unset (setting a map costs ~0.6 µs, even an empty one): 1.4
+    against 4.2 µs for a one-text call on the dev machine."""
+    offsets = struct.pack(
+        f"<{len(ids) + 1}i", 0, *itertools.accumulate([len(x) for x in ids])
+    )
     tokens = ids[0] if len(ids) == 1 else np.concatenate(ids)
-    return internal_pb2.Sequences(
+    message = internal_pb2.Sequences(
         model=model,
         ids=keys,
         token_ids=tokens.astype("<i4", copy=False).tobytes(),
-        offsets=offsets.tobytes(),
+        offsets=offsets,
         timeout_ms=timeout_ms,
-        trace_context=trace_context or {},
     )
+    if trace_context:
+        message.trace_context.update(trace_context)
+    return message
 
 
 def raise_first_failure(results: list[internal_pb2.SequenceResult]) -> None:

@@ -219,10 +219,14 @@ class Gateway:
             metrics.CACHE.labels(name, "hit").inc(hits)
             metrics.CACHE.labels(name, "miss").inc(len(found) - hits)
         # Each distinct text missing from the cache runs once.
-        misses = list(
-            dict.fromkeys(t for t, f in zip(texts, found, strict=True) if f is None)
-        )
-        computed: dict[str, tuple[np.ndarray, int]] = {}
+        if len(texts) == 1:  # most calls
+            misses = texts if found[0] is None else []
+        else:
+            misses = list(
+                dict.fromkeys(t for t, f in zip(texts, found, strict=True) if f is None)
+            )
+        rows: list[np.ndarray] = []
+        counts: list[int] = []
         t1 = t0
         degraded = False
         if misses:
@@ -239,15 +243,18 @@ class Gateway:
             counts = [len(x) for x in ids]
             if not degraded:  # a fallback's answer is never cached
                 self.cache.insert(name, truncate, misses, rows, counts)
+        if len(misses) < len(texts):  # some cached, or a text twice
             computed = dict(zip(misses, zip(rows, counts, strict=True), strict=True))
-        answers = [
-            f if f is not None else computed[t]
-            for t, f in zip(texts, found, strict=True)
-        ]
-        outputs = np.stack([row for row, _ in answers])
+            answers = [
+                f if f is not None else computed[t]
+                for t, f in zip(texts, found, strict=True)
+            ]
+            rows, counts = [row for row, _ in answers], [n for _, n in answers]
+        # (np.stack of one row costs 1.5 µs on the dev machine, this copy 0.3.)
+        outputs = rows[0][np.newaxis].copy() if len(rows) == 1 else np.stack(rows)
         timings.tokenize_us = int((t1 - t0) * 1e6)
         timings.total_us = int((time.perf_counter() - t0) * 1e6)
-        return Answer(outputs, [n for _, n in answers], degraded)
+        return Answer(outputs, counts, degraded)
 
     async def _tokenize(
         self, model: Model, texts: list[str], truncate: bool

@@ -9,6 +9,7 @@ asyncio keeps the standard library's loop.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 from collections.abc import Coroutine
@@ -42,3 +43,13 @@ def run(main: Coroutine[Any, Any, T]) -> T:
     except ListenError as exc:
         logging.getLogger("berth.server").error("%s", exc)
         raise SystemExit(1) from None
+
+
+def freeze_startup_heap() -> None:
+    """Move every object start-up made (modules, models, protobuf classes)
+    out of the garbage collector's reach: a full collection then walks only
+    what requests allocate. A gateway's start-up heap (~41k objects) took
+    5.6 ms to collect, a pause in whichever request was running; after the
+    freeze, ~0."""
+    gc.collect()
+    gc.freeze()
