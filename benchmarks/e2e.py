@@ -207,6 +207,25 @@ class Plan:
     warm: bool = False
     connections: int = 1
     api: str = "unary"  # "unary": an Embed call each; "stream": berth's Stream
+    # The gateways' own addresses (`berth serve --gateway-own-port`), when
+    # the connections are spread over them instead of going to ``address``.
+    spread: list[str] = field(default_factory=list)
+    client: int = 0  # this client's index among the step's clients
+
+
+def connection_targets(plan: Plan) -> list[str]:
+    """Where each of a client's connections goes: all to ``address`` (the
+    gateways' shared port, where the kernel hashes each connection to one
+    of them), or spread over the gateways' own addresses in turn, client
+    after client, as a caller that balances its own connections does (30
+    connections over 8 gateways: 3 or 4 each, where the hash gave one
+    gateway up to ~1.9x its share)."""
+    if not plan.spread:
+        return [plan.address] * plan.connections
+    first = plan.client * plan.connections
+    return [
+        plan.spread[(first + j) % len(plan.spread)] for j in range(plan.connections)
+    ]
 
 
 Row = tuple[float, float, float, str]  # offset, latency, send lag, status
@@ -233,8 +252,8 @@ async def _client(
     # processes on one port and the kernel spreads connections, not calls.
     options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
     channels = [
-        grpc.aio.insecure_channel(plan.address, options=options)
-        for _ in range(plan.connections)
+        grpc.aio.insecure_channel(target, options=options)
+        for target in connection_targets(plan)
     ]
     stubs = [berth_pb2_grpc.BerthStub(ch) for ch in channels]
     turn = itertools.cycle(stubs)
@@ -399,6 +418,7 @@ def run_step(
     warm: bool = False,
     connections: int = 1,
     api: str = "unary",
+    spread: list[str] | None = None,
 ) -> Step:
     """Send texts as Poisson arrivals at rate, split over client processes."""
     rng = random.Random(seed)
@@ -419,14 +439,25 @@ def run_step(
         ctx.Process(
             target=client_main,
             args=(
-                Plan(address, model, s[0], s[1], deadline_s, warm, connections, api),
+                Plan(
+                    address,
+                    model,
+                    s[0],
+                    s[1],
+                    deadline_s,
+                    warm,
+                    connections,
+                    api,
+                    spread or [],
+                    client,
+                ),
                 ready,
                 go,
                 start_at,
                 results,
             ),
         )
-        for s in shares
+        for client, s in enumerate(shares)
     ]
     for p in procs:
         p.start()
@@ -494,6 +525,9 @@ class Profile:
     batchers: int = 0  # 0: `berth serve`'s default
     buckets: list[int] | None = None  # None: the repository's own
     env: dict[str, str] = field(default_factory=dict)
+    # Gateways also on ports of their own, the load's connections spread
+    # over those (connection_targets) instead of sent to the shared port.
+    spread: bool = False
 
 
 PROFILES = {
@@ -501,6 +535,13 @@ PROFILES = {
         "stock",
         "`berth serve` as shipped (CPU: 1 engine per core, 1 gateway; "
         "GPU: 1 engine per GPU, 1 gateway per 2 cores, 1 batcher per 4 gateways)",
+    ),
+    "spread": Profile(
+        "spread",
+        "as stock, with each gateway also on a port of its own "
+        "(--gateway-own-port) and the load's connections spread evenly over "
+        "those, as a caller that balances its connections does",
+        spread=True,
     ),
 }
 
@@ -674,6 +715,7 @@ def serve_and_measure(
     """Phases 2 and 3 on one stack: the rate steps, then the cache hits."""
     stack = None
     address = args.address
+    spread: list[str] = []
     if address is None:
         from tests.stack import Stack
 
@@ -693,9 +735,11 @@ def serve_and_measure(
             env=profile.env,
             gateways=gateways,
             batchers=profile.batchers or default_batchers(gateways),
+            own_ports=profile.spread,
         )
         stack.wait_serving()
         address = stack.gateway
+        spread = stack.own_gateways
     pid = stack.proc.pid if stack is not None else None
     steps: list[Step] = []
     try:
@@ -717,6 +761,7 @@ def serve_and_measure(
                 pid,
                 connections=args.connections,
                 api=args.api,
+                spread=spread,
             )
             steps.append(step)
             print(table([step]).splitlines()[-1], flush=True)
@@ -734,6 +779,7 @@ def serve_and_measure(
             99,
             pid,
             warm=True,
+            spread=spread,
         )
         steps.append(hit)
         print(table([hit]).splitlines()[-1], flush=True)

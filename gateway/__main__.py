@@ -38,6 +38,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m gateway", description=__doc__)
     add_flag(parser, "host", "127.0.0.1", "address to listen on")
     add_flag(parser, "port", DEFAULT_GATEWAY_PORT, "port to listen on")
+    add_flag(
+        parser,
+        "own-port",
+        0,
+        "a second port this gateway alone listens on, beside --port that "
+        "gateways share (0: none): callers that spread their connections "
+        "over the gateways themselves connect there",
+    )
     add_flag(parser, "batcher", f"127.0.0.1:{DEFAULT_BATCHER_PORT}", "batcher address")
     add_flag(
         parser,
@@ -165,6 +173,7 @@ async def main(args: argparse.Namespace) -> None:
         f"{args.host}:{args.port}",
         [berth_pb2.DESCRIPTOR.services_by_name["Berth"].full_name, KSERVE_SERVICE],
         max_message_bytes=args.max_message_mb * 2**20,
+        also=[f"{args.host}:{args.own_port}"] if args.own_port else [],
     )
     # Not berth_pb2_grpc.add_BerthServicer_to_server: add_servicer parses unary
     # requests in the handler, so one gRPC cannot parse is INVALID_ARGUMENT.

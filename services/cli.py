@@ -351,11 +351,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
             )
         )
     gateway = f"{args.host}:{args.port}"
+    own_ports = []
     for i in range(gateways):
         # Every gateway listens on the same port (SO_REUSEPORT: the kernel
         # spreads connections over them); each has its own stream to one
         # batcher, gateways spread evenly over the batchers.
         name = "gateway" if gateways == 1 else f"gateway-{i}"
+        own: tuple[str, ...] = ()
+        if args.gateway_own_port:
+            # ...and, asked to, on a port of its own (see the flag's help).
+            listeners.append(
+                Listener(name, "--gateway-own-port", args.gateway_own_port, i)
+            )
+            own_ports.append(args.gateway_own_port + i)
+            own = ("--own-port", str(own_ports[-1]))
         children.append(
             Child(
                 name,
@@ -379,6 +388,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     ),
                     "--metrics-port",
                     metrics_port(name, 0 if i == 0 else 1 + engines + i),
+                    *own,
                     *common,
                 ),
             )
@@ -418,7 +428,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
             if inline
             else f"{batchers} batcher(s) on {', '.join(batcher_addresses)}",
             gateways,
-            gateway,
+            gateway
+            + (
+                f", each also alone on {args.host}:{own_ports[0]}"
+                + (f"-{own_ports[-1]}" if len(own_ports) > 1 else "")
+                if own_ports
+                else ""
+            ),
         )
         while not supervisor.stopping:
             if not supervisor.served and _health(gateway, timeout=1.0) == "SERVING":
@@ -655,6 +671,16 @@ def build_parser() -> argparse.ArgumentParser:
         "none",
         "none: processes run on any CPU; spread: each gateway and batcher on "
         "a CPU of its own, each GPU engine on two",
+    )
+    add_flag(
+        serve,
+        "gateway-own-port",
+        0,
+        "gateway i also listens alone on this port + i (0: no own ports), "
+        "for callers that spread their connections over the gateways "
+        "themselves (gRPC's round_robin over the addresses, a layer-4 "
+        "balancer): on the shared --port the kernel picks a gateway for each "
+        "connection by a hash, and a few busy connections can land on one",
     )
     add_flag(
         serve,

@@ -58,7 +58,10 @@ class ServiceServer:
         service_names: Iterable[str],
         max_message_bytes: int | None = None,
         reuse_port: bool | None = None,
+        also: Iterable[str] = (),
     ) -> None:
+        """Listens on ``address`` and on each of ``also`` (a gateway's own
+        port beside the port it shares)."""
         self.name = name
         if reuse_port is None:
             reuse_port = env("reuse_port", False)
@@ -80,20 +83,30 @@ class ServiceServer:
             ],
             self.server,
         )
+        self.port, *also_ports = (
+            self._listen(where, reuse_port) for where in (address, *also)
+        )
+        self.address = f"{address.rsplit(':', 1)[0]}:{self.port}"
+        self.also = [
+            f"{where.rsplit(':', 1)[0]}:{port}"
+            for where, port in zip(also, also_ports, strict=True)
+        ]
+        self._stop = asyncio.Event()
+
+    def _listen(self, address: str, reuse_port: bool) -> int:
         try:
-            self.port = self.server.add_insecure_port(address)
+            port = self.server.add_insecure_port(address)
         except RuntimeError:  # gRPC's "Failed to bind to address"
-            self.port = 0
-        if self.port == 0:
+            port = 0
+        if port == 0:
             shared = (
                 "another process listens there"
                 if reuse_port
                 else "another process listens there (only processes started with "
                 "BERTH_REUSE_PORT=1, as berth serve starts its own, share a port)"
             )
-            raise ListenError(f"{name}: cannot listen on {address}: {shared}")
-        self.address = f"{address.rsplit(':', 1)[0]}:{self.port}"
-        self._stop = asyncio.Event()
+            raise ListenError(f"{self.name}: cannot listen on {address}: {shared}")
+        return int(port)
 
     def add_servicer(self, service: ServiceDescriptor, servicer: object) -> None:
         """Register ``servicer``'s methods of ``service``, as the generated
@@ -142,7 +155,7 @@ class ServiceServer:
         log.info(
             "%s listening on %s (event loop: %s, gRPC experiments: %s)",
             self.name,
-            self.address,
+            ", ".join((self.address, *self.also)),
             type(asyncio.get_running_loop()).__module__.split(".")[0],
             os.environ.get("GRPC_EXPERIMENTS") or "gRPC's defaults",
         )

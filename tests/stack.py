@@ -54,7 +54,10 @@ class Stack:
         extra_args: list[str] | None = None,
         gateways: int = 1,
         batchers: int = 1,
+        own_ports: bool = False,
     ) -> None:
+        """``own_ports``: each gateway also on a port of its own
+        (--gateway-own-port), listed in ``own_gateways``."""
         (gateway,) = free_ports(1)
         # Engine and batcher ports are consecutive from --engine-port and
         # --batcher-port: find free runs.
@@ -70,6 +73,10 @@ class Stack:
         ]
         self.batcher = f"127.0.0.1:{batcher}"
         self.engines = [f"127.0.0.1:{base + i}" for i in range(engines)]
+        own = _free_run(gateways) if own_ports else 0
+        self.own_gateways = [
+            f"127.0.0.1:{own + i}" for i in range(gateways if own else 0)
+        ]
         self.log_path = Path(os.environ.get("BERTH_TEST_LOGS", "/tmp")) / (
             f"berth-stack-{gateway}.log"
         )
@@ -95,6 +102,7 @@ class Stack:
             str(gateways),
             "--batchers",
             str(batchers),
+            *(("--gateway-own-port", str(own)) if own else ()),
             *(extra_args or []),
         ]
         self.proc = subprocess.Popen(

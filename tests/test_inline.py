@@ -1,7 +1,8 @@
 """`berth serve --batcher-mode inline`: each gateway batches its own calls
 and streams to the engines itself (no batcher process); `--cpu-affinity
 spread` pins each gateway to a CPU of its own; `--grpc-io` picks gRPC's I/O
-for every child; `--idle-cpus spin` runs a SCHED_IDLE spinner on each CPU."""
+for every child; `--idle-cpus spin` runs a SCHED_IDLE spinner on each CPU;
+`--gateway-own-port` gives each gateway a port of its own."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ def inline(repository: Path) -> Iterator[Stack]:
     stack = Stack(
         repository,
         gateways=2,
+        own_ports=True,
         extra_args=[
             *("--batcher-mode", "inline"),
             *("--cpu-affinity", "spread"),
@@ -132,7 +134,7 @@ def test_every_process_runs_grpc_pollers_on_uvloop(inline: Stack) -> None:
     logs = inline.logs(None)
     for name in ("gateway", "engine"):
         assert re.search(
-            rf"{name} listening on \S+ \(event loop: uvloop, gRPC experiments: "
+            rf"{name} listening on \S+(, \S+)* \(event loop: uvloop, gRPC experiments: "
             rf"{re.escape(GRPC_IO['poller'])}\)",
             logs,
         ), logs[-3000:]
@@ -167,3 +169,27 @@ def test_plan_cpus_gives_consecutive_shares_and_wraps() -> None:
     assert plan_cpus([2, 1, 1], [0, 1, 2, 3, 4]) == [[0, 1], [2], [3]]
     # Fewer CPUs than shares: round the list again (some processes share).
     assert plan_cpus([2, 1, 1, 1], [4, 5, 6]) == [[4, 5], [6], [4], [5]]
+
+
+def test_each_gateway_also_answers_alone_on_its_own_port(inline: Stack) -> None:
+    """--gateway-own-port: gateway i listens alone on port + i too, so a
+    caller can spread its connections over the gateways itself."""
+    assert len(inline.own_gateways) == 2
+    calls = {inline.own_gateways[0]: 3, inline.own_gateways[1]: 5}
+    gateway_urls = (inline.metrics[0], inline.metrics[3])  # gateway-0, gateway-1
+    requests = r'berth_gateway_requests_total\{.*model="minilm".*outcome="ok".*\}'
+    before = [value(scrape(u), requests) for u in gateway_urls]
+    for address, n in calls.items():
+        with grpc.insecure_channel(address) as channel:
+            stub = berth_pb2_grpc.BerthStub(channel)
+            for i in range(n):
+                stub.Embed(
+                    berth_pb2.EmbedRequest(
+                        model="minilm", texts=[f"own port {address} {i}"]
+                    ),
+                    timeout=60,
+                )
+    after = [value(scrape(u), requests) for u in gateway_urls]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [3, 5]
+    logs = inline.logs(None)
+    assert f"each also alone on {inline.own_gateways[0]}-" in logs, logs[-3000:]
