@@ -16,7 +16,7 @@ import math
 import time
 from array import array
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import grpc
@@ -88,6 +88,14 @@ def _error(
     reply_id: int, code: grpc.StatusCode, message: str
 ) -> internal_pb2.SequenceResult:
     return internal_pb2.SequenceResult(id=reply_id, code=code.value[0], message=message)
+
+
+def answer_all(
+    ids: Iterable[int], code: grpc.StatusCode, message: str, send: Deliver
+) -> None:
+    """Answer each of ``ids`` with one error."""
+    for seq_id in ids:
+        send(_error(seq_id, code, message))
 
 
 def malformed(group: internal_pb2.Sequences, max_tokens: int) -> str | None:

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from batcher.scheduler import Deliver, ModelScheduler
+from batcher.scheduler import Deliver, ModelScheduler, answer_all
 from services.proto.berth.v1 import internal_pb2, internal_pb2_grpc
 
 log = logging.getLogger("berth.batcher")
@@ -115,11 +115,7 @@ class BatcherService(internal_pb2_grpc.BatcherServicer):
                 f"batcher failed to queue sequences for model {group.model!r}: "
                 f"{type(exc).__name__}: {exc}"
             )
-            code = grpc.StatusCode.INTERNAL.value[0]
-            for seq_id in group.ids:
-                reply(
-                    internal_pb2.SequenceResult(id=seq_id, code=code, message=message)
-                )
+            answer_all(group.ids, grpc.StatusCode.INTERNAL, message, reply)
 
     def _submit(
         self,
@@ -142,25 +138,12 @@ class BatcherService(internal_pb2_grpc.BatcherServicer):
                 f"{taken} is already queued on this stream (ids must be unique "
                 "among a stream's unanswered sequences)"
             )
-            for seq_id in group.ids:
-                reply(
-                    internal_pb2.SequenceResult(
-                        id=seq_id,
-                        code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
-                        message=message,
-                    )
-                )
+            answer_all(group.ids, grpc.StatusCode.INVALID_ARGUMENT, message, reply)
             return
         scheduler = self.schedulers.get(group.model)
         if scheduler is None:
-            for seq_id in group.ids:
-                deliver(
-                    internal_pb2.SequenceResult(
-                        id=seq_id,
-                        code=grpc.StatusCode.NOT_FOUND.value[0],
-                        message=f"batcher does not serve model {group.model!r}",
-                    )
-                )
+            message = f"batcher does not serve model {group.model!r}"
+            answer_all(group.ids, grpc.StatusCode.NOT_FOUND, message, deliver)
             return
         for seq_id, key in scheduler.submit(group, deliver):
             queued[seq_id] = (scheduler, key)
