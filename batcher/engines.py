@@ -9,12 +9,19 @@ import time
 from collections.abc import AsyncIterator, Callable, Collection, Iterable
 from typing import Any
 
+import grpc
+
+from services.errors import ENGINE_LOADING
 from services.proto.berth.v1 import internal_pb2, internal_pb2_grpc
 from services.streams import StreamClient
 
 log = logging.getLogger("berth.batcher")
 
 MAX_EJECTION_S = 30.0
+# How often an engine that is loading its models is asked again whether it
+# is done (EngineClient._handshake): one cheap call, at the rate every
+# reconnect was tried at before the back-off.
+LOADING_POLL_S = 0.2
 
 
 class EngineClient(
@@ -142,9 +149,29 @@ class EngineClient(
         )
 
     async def _handshake(self) -> None:
-        info = await self._stub.Info(
-            internal_pb2.EngineInfoRequest(), wait_for_ready=True
-        )
+        """The engine's models and device, once it has loaded them.
+
+        While it loads (seconds on a CPU, minutes of CUDA graph capture on a
+        GPU) its Info answers ENGINE_LOADING: it is up, and is asked again
+        every LOADING_POLL_S. (Taken as a failed try, the stream's back-off
+        grew to 2 s meanwhile, and a ready engine got its first batch up to
+        2.4 s late, 1 s on average, at each start and restart; with a
+        warning at each.)"""
+        told = False
+        while True:
+            try:
+                info = await self._stub.Info(
+                    internal_pb2.EngineInfoRequest(), wait_for_ready=True
+                )
+                break
+            except grpc.aio.AioRpcError as exc:
+                loading = exc.code() is grpc.StatusCode.UNAVAILABLE
+                if not loading or exc.details() != ENGINE_LOADING:
+                    raise
+            if not told:
+                log.info("engine %s is loading its models: waiting", self.address)
+                told = True
+            await asyncio.sleep(LOADING_POLL_S)
         self.models = {m.name for m in info.models}
         self.device = f"{info.device} ({info.backend})"
 

@@ -24,6 +24,7 @@ from opentelemetry.trace import INVALID_SPAN
 from engine import metrics
 from engine.backend import Backend
 from engine.gpu_stats import open_gpu_stats
+from services.errors import ENGINE_LOADING
 from services.proto.berth.v1 import internal_pb2, internal_pb2_grpc
 from services.repository import ModelEntry
 from services.telemetry import (
@@ -102,7 +103,7 @@ class EngineService(internal_pb2_grpc.EngineServicer):
         self, request: internal_pb2.EngineInfoRequest, context: grpc.aio.ServicerContext
     ) -> internal_pb2.EngineInfo:
         if not self.ready:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is loading models")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, ENGINE_LOADING)
         return internal_pb2.EngineInfo(
             models=[
                 internal_pb2.EngineModel(

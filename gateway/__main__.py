@@ -83,7 +83,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     repository_flag(parser)
     add_scheduler_flags(parser)  # used when batching inline (--engines)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.own_port and args.own_port == args.port:
+        # Not left to the bind: it would blame "another process".
+        parser.error(
+            f"--own-port {args.own_port} is --port too: give the gateway a port "
+            "of its own beside the shared one (0: none)"
+        )
+    return args
 
 
 async def probe(gateway: Gateway) -> None:

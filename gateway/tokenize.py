@@ -72,6 +72,16 @@ class TextEncoder:
         out = []
         for i, encoding in enumerate(encodings):
             ids = np.asarray(encoding.ids, dtype=np.int32)
+            if not len(ids):
+                # A tokenizer that adds no special tokens (no post-processor)
+                # gives none for a text of whitespace alone. Sent on, the
+                # batcher refused it as a malformed entry, naming an internal
+                # sequence id and offsets instead of the caller's text.
+                raise InvalidInput(
+                    f"texts[{i}] has no tokens for model {self.model!r} (its "
+                    f"{len(texts[i])} characters are all ones its tokenizer "
+                    "drops, such as whitespace); every text needs a token"
+                )
             if len(ids) > self.max_tokens:
                 if not truncate:
                     raise InvalidInput(

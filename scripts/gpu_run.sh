@@ -96,11 +96,23 @@ fi
 if [[ " $STAGES " == *" latency "* ]]; then
   many=$(( $(nproc) / 2 > 8 ? 8 : $(nproc) / 2 ))
   for layout in ${LATENCY_LAYOUTS:-1:1:service 1:1:inline $many:2:service $many:2:inline}; do
+    IFS=: read -r -a parts <<< "$layout"  # gateways:batchers:mode
+    if ((${#parts[@]} != 3)); then
+      # (with set -u, a missing $3 below would end the whole script)
+      echo "latency: LATENCY_LAYOUTS entry '$layout' is not gateways:batchers:mode"
+      continue
+    fi
+    set -- "${parts[@]}"
     for idle in ${LATENCY_IDLE:-sleep spin}; do
-      IFS=: read -r -a parts <<< "$layout"  # gateways:batchers:mode
-      set -- "${parts[@]}"
+      # Eight runs of up to 200 s: keep within the device tool's 600 s, as
+      # the e2e stage does, rather than be killed with the stages after.
+      left=$((585 - SECONDS))
+      if ((left < 60)); then
+        echo "latency ($1 gateways, $2 batchers, batching $3, idle CPUs $idle): skipped, ${left}s left"
+        continue
+      fi
       # shellcheck disable=SC2086  # LATENCY_ARGS split into arguments on purpose
-      timeout 200 $PY benchmarks/latency.py --model bert-base \
+      timeout $((left < 200 ? left : 200)) $PY benchmarks/latency.py --model bert-base \
         --model-repository build/e2e/bert-base --gateways "$1" --batchers "$2" \
         --batcher-mode "$3" --idle-cpus "$idle" ${LATENCY_ARGS:-} \
         >> "$OUT/latency.log" 2>&1

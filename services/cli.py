@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import logging
 import os
@@ -10,9 +11,9 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -25,9 +26,10 @@ from services.config import (
     add_flag,
     repository_flag,
 )
-from services.idle import IDLE_CHOICES
+from services.idle import IDLE_CHOICES, cpu_quota
 
 DEFAULT_ADDRESS = f"127.0.0.1:{DEFAULT_GATEWAY_PORT}"
+T = TypeVar("T")
 
 
 def _gpu_count() -> int:
@@ -249,6 +251,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if value not in allowed:
             log.error("%s must be one of %s, not %r", flag, ", ".join(allowed), value)
             return 2
+    quota = cpu_quota() if args.idle_cpus == "spin" else None
+    if quota is not None and quota < cpus_available():
+        # A quota counts SCHED_IDLE time too: the spinners would spend it on
+        # every idle CPU, and the cgroup, berth with them, would be throttled.
+        log.error(
+            "--idle-cpus spin: berth serve runs under a CPU quota of %.2f CPU(s) "
+            "for its %d CPU(s) (its cgroup's, e.g. Kubernetes CPU limits); the "
+            "spinners would spend it and berth would be throttled: use "
+            "--idle-cpus sleep here, or lift the quota",
+            quota,
+            cpus_available(),
+        )
+        return 2
     for flag, count in (
         ("--engines", args.engines),
         ("--gateways", args.gateways),
@@ -357,7 +372,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # spreads connections over them); each has its own stream to one
         # batcher, gateways spread evenly over the batchers.
         name = "gateway" if gateways == 1 else f"gateway-{i}"
-        own: tuple[str, ...] = ()
+        # --own-port 0 as well: a BERTH_OWN_PORT set where serve runs must
+        # not put every gateway on one port that serve neither checked nor
+        # holds.
+        own = ("--own-port", "0")
         if args.gateway_own_port:
             # ...and, asked to, on a port of its own (see the flag's help).
             listeners.append(
@@ -471,17 +489,66 @@ def _options(args: argparse.Namespace) -> Any:
 STDIN_CHUNK = 256
 
 
-def _texts(args: argparse.Namespace) -> list[list[str]]:
-    """The command's texts, in calls: the arguments in one, or with the one
-    argument ``-``, stdin's lines (blank ones skipped) in calls of
-    STDIN_CHUNK."""
+def _texts(args: argparse.Namespace) -> list[tuple[list[str], list[int]]]:
+    """The command's texts, in calls, each with the stdin line of each text:
+    the arguments in one call (no lines), or with the one argument ``-``,
+    stdin's lines (blank ones skipped) in calls of STDIN_CHUNK.
+
+    Stdin is read as UTF-8 whatever the locale (a gRPC string is UTF-8), a
+    leading byte-order mark dropped: a file saved with one would otherwise
+    send U+FEFF as the first text's first character, and a file in another
+    encoding would end in a traceback."""
     if args.texts != ["-"]:
-        return [args.texts]
-    lines = [line.rstrip("\r\n") for line in sys.stdin]
-    texts = [line for line in lines if line.strip()]
-    if not texts:
+        return [(args.texts, [])]
+    data = sys.stdin.buffer.read()
+    if data.startswith(codecs.BOM_UTF8):
+        data = data[len(codecs.BOM_UTF8) :]
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise SystemExit(
+            f"berth: stdin is not UTF-8 text: line {line} has the byte "
+            f"0x{data[exc.start]:02x} (convert it, e.g. iconv -t UTF-8)"
+        ) from None
+    numbered = [
+        (n, line.rstrip("\r")) for n, line in enumerate(text.split("\n"), start=1)
+    ]
+    kept = [(n, line) for n, line in numbered if line.strip()]
+    if not kept:
         raise SystemExit("berth: no texts on stdin (one text per line)")
-    return [texts[i : i + STDIN_CHUNK] for i in range(0, len(texts), STDIN_CHUNK)]
+    return [
+        (
+            [line for _, line in kept[i : i + STDIN_CHUNK]],
+            [n for n, _ in kept[i : i + STDIN_CHUNK]],
+        )
+        for i in range(0, len(kept), STDIN_CHUNK)
+    ]
+
+
+def _call(
+    method: Callable[..., T], request: Any, lines: list[int], timeout: float
+) -> T:
+    """method(request), one call of the command's texts. When they came from
+    stdin, an error names the stdin line it is about: the gateway's texts[i]
+    counts from the call's first text, which is stdin's line 1 only in the
+    first call (and blank lines are skipped)."""
+    try:
+        return method(request, timeout=timeout)
+    except grpc.RpcError as exc:
+        if not lines:
+            raise
+        details = exc.details() or ""
+        named = re.sub(
+            r"texts\[(\d+)\]",
+            lambda m: (
+                f"stdin line {lines[int(m[1])]}" if int(m[1]) < len(lines) else m[0]
+            ),
+            details,
+        )
+        if named == details:
+            named += f" (the call of stdin lines {lines[0]}-{lines[-1]})"
+        raise SystemExit(f"error: {exc.code().name}: {named}") from None
 
 
 def cmd_embed(args: argparse.Namespace) -> int:
@@ -490,13 +557,11 @@ def cmd_embed(args: argparse.Namespace) -> int:
     stub = _stub(args.address)
     out: list[dict[str, Any]] = []
     degraded = False
-    for texts in _texts(args):
-        response = stub.Embed(
-            berth_pb2.EmbedRequest(
-                model=args.model, texts=texts, options=_options(args)
-            ),
-            timeout=args.timeout,
+    for texts, lines in _texts(args):
+        request = berth_pb2.EmbedRequest(
+            model=args.model, texts=texts, options=_options(args)
         )
+        response = _call(stub.Embed, request, lines, args.timeout)
         degraded |= response.degraded
         out += [
             {"embedding": list(e.values), "tokens": e.tokens}
@@ -512,13 +577,11 @@ def cmd_classify(args: argparse.Namespace) -> int:
     stub = _stub(args.address)
     out = []
     degraded = False
-    for texts in _texts(args):
-        response = stub.Classify(
-            berth_pb2.ClassifyRequest(
-                model=args.model, texts=texts, options=_options(args), top_k=args.top_k
-            ),
-            timeout=args.timeout,
+    for texts, lines in _texts(args):
+        request = berth_pb2.ClassifyRequest(
+            model=args.model, texts=texts, options=_options(args), top_k=args.top_k
         )
+        response = _call(stub.Classify, request, lines, args.timeout)
         degraded |= response.degraded
         for result in response.results:
             item: dict[str, Any] = {
@@ -688,7 +751,7 @@ def build_parser() -> argparse.ArgumentParser:
         "sleep",
         "sleep: idle CPUs halt, as usual; spin: a SCHED_IDLE spinner per CPU "
         "keeps them running, so a request's many wake-ups are cheap (lower "
-        "latency at low load; costs power; not under a CPU quota)",
+        "latency at low load; costs power; refused under a CPU quota)",
     )
     serve.add_argument(
         "--chaos", action="store_true", help="engines take SIGUSR1 to fail batches"
@@ -705,7 +768,8 @@ def build_parser() -> argparse.ArgumentParser:
             "texts",
             nargs="+",
             metavar="TEXT",
-            help="texts; a lone - reads one text per line from stdin",
+            help="texts; a lone - reads one text per line from stdin (UTF-8, "
+            "blank lines skipped)",
         )
         p.add_argument("--model", default=default_model)
         p.add_argument(

@@ -45,6 +45,11 @@ class Unavailable(BerthError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+# What an engine's Info answers, UNAVAILABLE, while it loads its models (the
+# batcher's handshake, batcher/engines.py, asks again soon on this one).
+ENGINE_LOADING = "engine is loading models"
+
+
 class DeadlineExceeded(BerthError):
     """The caller's deadline passed before the work was done."""
 

@@ -17,7 +17,9 @@ as idle where the kernel places a woken task. So the vCPU never halts, and a
 wake-up lands on a running one. The price is power (and, on a shared host,
 the host cores the spinning vCPUs hold): every CPU shows as 100 % busy.
 Use it on a machine (or a pod with dedicated CPUs) that serves berth; never
-under a CPU quota (Kubernetes CPU limits): a quota counts SCHED_IDLE time too.
+under a CPU quota (Kubernetes CPU limits): a quota counts SCHED_IDLE time too,
+so the spinners would spend it and the cgroup would be throttled (`berth
+serve` refuses spin where cpu_quota finds one smaller than its CPUs).
 
     python -m services.idle [--parent PID]   # spin until PID is gone
 """
@@ -28,9 +30,53 @@ import argparse
 import os
 import signal
 import sys
+from pathlib import Path, PurePosixPath
 
 # Choices of `berth serve --idle-cpus`.
 IDLE_CHOICES = ("sleep", "spin")
+
+
+def _quota_at(folder: Path) -> float | None:
+    """The CPUs' worth of the CFS quota one cgroup folder sets (v2's
+    cpu.max, v1's cpu.cfs_quota_us), None for none."""
+    try:
+        if (folder / "cpu.max").exists():
+            quota, period = (folder / "cpu.max").read_text().split()
+        else:
+            quota = (folder / "cpu.cfs_quota_us").read_text().strip()
+            period = (folder / "cpu.cfs_period_us").read_text().strip()
+        return None if quota in ("max", "-1") else int(quota) / int(period)
+    except (OSError, ValueError):
+        return None
+
+
+def cpu_quota(
+    root: Path = Path("/sys/fs/cgroup"), own: Path = Path("/proc/self/cgroup")
+) -> float | None:
+    """The CPUs' worth of time this process's cgroup may use: the smallest
+    CFS quota of its cgroup and their parents (Kubernetes sets one on the
+    container and the pod), or None without a quota or where none is read."""
+    try:
+        lines = own.read_text().splitlines()
+    except OSError:
+        return None
+    folders = []
+    for line in lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if not path.startswith("/"):
+            continue
+        if controllers == "":  # cgroup v2
+            mounts = [root]
+        elif "cpu" in controllers.split(","):  # v1
+            mounts = [root / controllers, root / "cpu"]
+        else:
+            continue
+        inside = PurePosixPath(path).relative_to("/")
+        # In a container without a cgroup namespace the path is the host's,
+        # and the container's own cgroup is mounted as the root: "." too.
+        folders += [m / f for m in mounts for f in (inside, *inside.parents)]
+    quotas = [q for f in dict.fromkeys(folders) if (q := _quota_at(f)) is not None]
+    return min(quotas, default=None)
 
 
 def become_idle_class() -> None:

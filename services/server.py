@@ -9,9 +9,11 @@ it holds, then stop the server with a grace period for in-flight calls.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import signal
+import socket
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -38,6 +40,52 @@ OVERALL = ""  # the health service name that stands for the whole server
 class ListenError(OSError):
     """A service cannot listen where it was told to (services.loop.run ends
     the process with this message and exit code 1, no traceback)."""
+
+
+def why_not_listening(address: str, reuse_port: bool) -> str:
+    """Why gRPC could not listen on ``address`` (host:port), found by binding
+    each address it stands for as gRPC binds it: gRPC says no more than that
+    the bind failed, and a port in use is not the only cause (a --host that
+    does not resolve or is not this machine's, a port below 1024)."""
+    from services.supervisor import _listen_addresses
+
+    host, _, port = address.rpartition(":")
+    try:
+        addresses = _listen_addresses(host, int(port))
+    except socket.gaierror as exc:
+        return f"cannot resolve {host!r} ({exc.strerror}): check --host"
+    for family, where, required in addresses:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:  # beside the ones meant to share it
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6:  # [::] takes IPv4 too, as gRPC's does
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            try:
+                probe.bind(where)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    break
+                if not required:
+                    continue  # the wildcard of a family that is off here
+                if exc.errno == errno.EADDRNOTAVAIL:
+                    return f"{where[0]} is not an address of this machine: check --host"
+                if exc.errno == errno.EACCES:
+                    return (
+                        "permission denied (a port below 1024 needs root or "
+                        "CAP_NET_BIND_SERVICE)"
+                    )
+                return f"{exc.strerror} (on {where[0]})"
+    else:
+        # Every address binds now: the listener in the way just went, or
+        # gRPC's own log line above says what else failed.
+        return "gRPC could not bind it (its log line above says why)"
+    if reuse_port:
+        return "another process listens there"
+    return (
+        "another process listens there (only processes started with "
+        "BERTH_REUSE_PORT=1, as berth serve starts its own, share a port)"
+    )
 
 
 class ServiceServer:
@@ -94,18 +142,20 @@ class ServiceServer:
         self._stop = asyncio.Event()
 
     def _listen(self, address: str, reuse_port: bool) -> int:
+        port_text = address.rpartition(":")[2]
+        if not port_text.isdigit() or int(port_text) > 65535:
+            # gRPC takes a port modulo 65536 (70000 listened on 4464).
+            raise ListenError(
+                f"{self.name}: cannot listen on {address}: {port_text!r} is not a "
+                "port (0-65535)"
+            )
         try:
             port = self.server.add_insecure_port(address)
         except RuntimeError:  # gRPC's "Failed to bind to address"
             port = 0
         if port == 0:
-            shared = (
-                "another process listens there"
-                if reuse_port
-                else "another process listens there (only processes started with "
-                "BERTH_REUSE_PORT=1, as berth serve starts its own, share a port)"
-            )
-            raise ListenError(f"{self.name}: cannot listen on {address}: {shared}")
+            why = why_not_listening(address, reuse_port)
+            raise ListenError(f"{self.name}: cannot listen on {address}: {why}")
         return int(port)
 
     def add_servicer(self, service: ServiceDescriptor, servicer: object) -> None:

@@ -76,6 +76,21 @@ class Child:
     def start(self) -> None:
         env = {**os.environ, **self.env}
         cpus = self.cpus
+        if cpus is not None:
+            # serve's CPU set can shrink while it runs (a cpuset changed under
+            # it: Kubernetes' static CPU manager gives another pod exclusive
+            # CPUs). Pinning a restarted child to a CPU no longer in it fails
+            # in the fork, and the error would end serve and its whole stack.
+            allowed = os.sched_getaffinity(0)
+            if not allowed.intersection(cpus):
+                log.warning(
+                    "%s: CPU(s) %s are no longer among berth serve's (%s): it "
+                    "runs on any of those",
+                    self.name,
+                    ",".join(map(str, cpus)),
+                    ",".join(map(str, sorted(allowed))),
+                )
+                cpus = None
 
         def setup() -> None:
             _die_with_parent()

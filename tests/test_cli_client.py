@@ -7,8 +7,15 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
+from typing import Any
 
+import grpc
+import pytest
+
+from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
 from tests.stack import ROOT, Stack, free_ports
 
 
@@ -20,6 +27,86 @@ def berth(*args: str) -> subprocess.CompletedProcess[str]:
         capture_output=True,
         text=True,
         timeout=300,
+    )
+
+
+def berth_stdin(stdin: bytes, *args: str) -> subprocess.CompletedProcess[str]:
+    """`berth ARGS` with ``stdin`` as raw bytes."""
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", *args],
+        cwd=ROOT,
+        env=os.environ,
+        input=stdin,
+        capture_output=True,
+        timeout=300,
+    )
+    return subprocess.CompletedProcess(
+        done.args, done.returncode, done.stdout.decode(), done.stderr.decode()
+    )
+
+
+class Echo(berth_pb2_grpc.BerthServicer):
+    """Embed answers each text with its length as its token count and its
+    first character's code point as its embedding; a text with "bad" in it
+    is refused as the gateway refuses one, by its index in the call."""
+
+    def Embed(self, request: Any, context: grpc.ServicerContext) -> Any:
+        for i, text in enumerate(request.texts):
+            if "bad" in text:
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"texts[{i}] has 999 tokens, over the limit of 512",
+                )
+        return berth_pb2.EmbedResponse(
+            embeddings=[
+                berth_pb2.Embedding(values=[float(ord(t[0]))], tokens=len(t))
+                for t in request.texts
+            ]
+        )
+
+
+@pytest.fixture
+def echo() -> Iterator[str]:
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    berth_pb2_grpc.add_BerthServicer_to_server(Echo(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(None)
+
+
+def test_stdin_is_utf8_with_its_byte_order_mark_dropped(echo: str) -> None:
+    """A file saved with a BOM sent U+FEFF as its first text's first
+    character; CRLF line ends and blank lines are not texts."""
+    done = berth_stdin(
+        "\ufeffab\r\n\r\n  \r\n你好吗\r\n".encode(), "embed", "-", "--address", echo
+    )
+    assert done.returncode == 0, done.stderr
+    answers = json.loads(done.stdout)
+    assert [a["tokens"] for a in answers] == [2, 3]
+    assert answers[0]["embedding"] == [float(ord("a"))]
+
+
+def test_stdin_that_is_not_utf8_is_refused_naming_its_line(echo: str) -> None:
+    done = berth_stdin(b"fine\nla\xe9tude\n", "embed", "-", "--address", echo)
+    assert done.returncode == 1 and done.stdout == "", done
+    assert "Traceback" not in done.stderr, done.stderr
+    assert "stdin is not UTF-8 text: line 2 has the byte 0xe9" in done.stderr
+
+
+def test_an_error_names_the_stdin_line_not_the_index_in_its_call(echo: str) -> None:
+    """Stdin goes in calls of 256 texts, and the gateway's texts[i] counts
+    within a call: the 290th line (after one blank one) was "texts[32]"."""
+    lines = [f"text {n}" for n in range(1, 300)]
+    lines[9] = ""  # line 10: skipped
+    lines[289] = "a bad one"  # line 290: the 289th text, the second call's 33rd
+    done = berth_stdin("\n".join(lines).encode(), "embed", "-", "--address", echo)
+    assert done.returncode == 1 and done.stdout == "", done
+    assert "Traceback" not in done.stderr, done.stderr
+    assert "error: INVALID_ARGUMENT: stdin line 290 has 999 tokens" in done.stderr, (
+        done.stderr
     )
 
 

@@ -9,8 +9,12 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+import pytest
 
 from services.cli import spinners
+from services.idle import cpu_quota
 from services.supervisor import Child, python_module
 
 
@@ -78,3 +82,65 @@ def test_a_spinner_whose_parent_is_gone_exits() -> None:
     finally:
         if not wait_gone(spinner, 0):
             os.kill(spinner, 9)
+
+
+def test_a_child_whose_cpu_left_serves_set_restarts_on_serves_cpus() -> None:
+    """serve's CPU set can shrink while it runs (a cpuset changed under it):
+    a spinner (or a --cpu-affinity spread child) restarted after its CPU
+    left failed to pin in the fork, and the error ended serve and its whole
+    stack. It runs on serve's CPUs instead."""
+    allowed = os.sched_getaffinity(0)
+    gone = max(allowed) + 1  # a CPU serve may not use
+    child = Child("idle-gone", python_module("services.idle"), cpus=[gone])
+    child.start()
+    assert child.proc is not None
+    try:
+        assert child.proc.poll() is None
+        assert os.sched_getaffinity(child.proc.pid) == allowed
+    finally:
+        child.proc.kill()
+        child.proc.wait()
+
+
+def write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_cpu_quota_reads_the_cgroups_cfs_quota(tmp_path: Path) -> None:
+    own = tmp_path / "cgroup"
+    root = tmp_path / "sys"
+    # v2, Kubernetes: the container's quota and the pod's; the smaller counts.
+    write(own, "0::/kubepods/pod1/ctr\n")
+    write(root / "kubepods/pod1/ctr/cpu.max", "150000 100000\n")
+    write(root / "kubepods/pod1/cpu.max", "400000 100000\n")
+    write(root / "kubepods/cpu.max", "max 100000\n")
+    assert cpu_quota(root, own) == 1.5
+    write(root / "kubepods/pod1/ctr/cpu.max", "max 100000\n")
+    write(root / "kubepods/pod1/cpu.max", "max 100000\n")
+    assert cpu_quota(root, own) is None
+    # v1 inside a container without a cgroup namespace: the path is the
+    # host's, the container's cgroup is the mount itself.
+    write(own, "5:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n")
+    write(root / "cpu,cpuacct/cpu.cfs_quota_us", "50000\n")
+    write(root / "cpu,cpuacct/cpu.cfs_period_us", "100000\n")
+    assert cpu_quota(root, own) == 0.5
+    write(root / "cpu,cpuacct/cpu.cfs_quota_us", "-1\n")
+    assert cpu_quota(root, own) is None
+    assert cpu_quota(root, tmp_path / "no-such-file") is None
+
+
+def test_serve_refuses_to_spin_under_a_cpu_quota(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """A quota counts SCHED_IDLE time too: under Kubernetes CPU limits the
+    spinners spent the quota on every idle CPU and the whole cgroup, berth
+    with it, was throttled for the rest of each period."""
+    from services import cli
+
+    cpus = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(cli, "cpu_quota", lambda: cpus - 0.5)
+    argv = ["serve", "--idle-cpus", "spin", "--model-repository", str(tmp_path)]
+    assert cli.main(argv) == 2
+    assert f"under a CPU quota of {cpus - 0.5:.2f} CPU(s)" in caplog.text
+    assert "--idle-cpus sleep" in caplog.text

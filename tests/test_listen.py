@@ -101,3 +101,44 @@ def test_a_second_batcher_on_a_served_port_exits_1_saying_why(
     finally:
         first.terminate()
         first.wait(30)
+
+
+@pytest.mark.parametrize(
+    ("address", "says"),
+    [
+        # gRPC takes the port modulo 65536: it listened on 4464.
+        ("127.0.0.1:70000", "'70000' is not a port (0-65535)"),
+        ("192.0.2.1:{port}", "192.0.2.1 is not an address of this machine"),
+        ("no-such-host.invalid:{port}", "cannot resolve 'no-such-host.invalid'"),
+    ],
+    ids=["port", "not-here", "unresolvable"],
+)
+def test_a_listen_error_says_why_when_the_port_is_not_in_use(
+    address: str, says: str
+) -> None:
+    """A bind fails for more than a port in use; the message said 'another
+    process listens there' whatever the cause."""
+    address = address.format(port=free_port())
+
+    async def scenario() -> None:
+        server = ServiceServer("x", address, [], reuse_port=False)
+        await server.server.stop(None)  # (listening: the check failed)
+
+    with pytest.raises(ListenError) as raised:
+        asyncio.run(scenario())
+    assert f"x: cannot listen on {address}: {says}" in str(raised.value)
+    assert "another process" not in str(raised.value)
+
+
+def test_a_gateway_own_port_that_is_its_port_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Left to the bind, the second listen on the port failed blaming
+    'another process listens there'."""
+    from gateway.__main__ import parse_args
+
+    with pytest.raises(SystemExit) as raised:
+        parse_args(["--port", "6000", "--own-port", "6000"])
+    assert raised.value.code == 2
+    assert "--own-port 6000 is --port too" in capsys.readouterr().err
+    assert parse_args(["--port", "6000", "--own-port", "6001"]).own_port == 6001

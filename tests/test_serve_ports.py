@@ -25,10 +25,15 @@ from services.supervisor import Listener, PortUnavailable, reserve_ports
 from tests.stack import ROOT, Stack, _free_run, free_ports, health, pid_listening
 
 
-def serve(repository: Path, *flags: str, timeout: float = 60) -> tuple[int, str]:
+def serve(
+    repository: Path,
+    *flags: str,
+    timeout: float = 60,
+    env: dict[str, str] | None = None,
+) -> tuple[int, str]:
     """`berth serve` on free ports but for ``flags`` (argparse: the last of a
-    flag wins): its exit code (-1: still running after ``timeout``, then
-    stopped) and its output."""
+    flag wins), ``env`` added to its environment: its exit code (-1: still
+    running after ``timeout``, then stopped) and its output."""
     (gateway,) = free_ports(1)
     argv = [
         *("--port", str(gateway)),
@@ -42,7 +47,7 @@ def serve(repository: Path, *flags: str, timeout: float = 60) -> tuple[int, str]
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "serve", *argv],
         cwd=ROOT,
-        env={**os.environ, "BERTH_LOG_LEVEL": "INFO"},
+        env={**os.environ, "BERTH_LOG_LEVEL": "INFO", **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -217,3 +222,23 @@ def test_a_wildcard_host_counts_listeners_of_both_families() -> None:
         with pytest.raises(PortUnavailable, match=f"port {port} .* on ::"):
             reserve_ports("0.0.0.0", gateway_port(port))
     reserve_ports("0.0.0.0", gateway_port(port)).close()
+
+
+def test_a_gateway_own_port_in_the_environment_does_not_reach_serves_gateways(
+    tmp_path: Path,
+) -> None:
+    """BERTH_OWN_PORT (python -m gateway's --own-port), set where serve runs,
+    put every one of serve's gateways on that port, which serve had neither
+    checked nor held: serve passes --own-port itself."""
+    (own,) = free_ports(1)
+    code, out = serve(
+        tmp_path,
+        "--gateways",
+        "2",
+        "--no-build-models",
+        timeout=3,
+        env={"BERTH_OWN_PORT": str(own)},
+    )
+    started = [line for line in out.splitlines() if "started gateway-" in line]
+    assert len(started) >= 2, out  # (then restarted: the repository is empty)
+    assert all("--own-port 0 " in line for line in started), out

@@ -10,18 +10,23 @@ when the supervisor restarts a crashed engine.
   the rest of a back-off of up to 30 s);
 - a flapping one, which fails again before it answers any batch, resumes its
   back-off where it was, and its next reconnect lifts nothing;
-- a batch it answers clears what was held against it.
+- a batch it answers clears what was held against it;
+- an engine still loading its models is asked again soon, not at the
+  stream's growing back-off.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import grpc
+import pytest
 
-from batcher.engines import EngineClient, EnginePool
+from batcher.engines import LOADING_POLL_S, EngineClient, EnginePool
 from batcher.scheduler import ModelScheduler, SchedulerConfig
+from services.errors import ENGINE_LOADING
 from services.proto.berth.v1 import internal_pb2, internal_pb2_grpc
 from tests.batcher.test_stuck_engine import ENTRY, SleepyEngine, sequence
 
@@ -135,3 +140,64 @@ def test_a_restarted_engine_starts_afresh_but_a_flapping_one_stays_out() -> None
     assert 10.0 < ejected <= 16.0, f"ejected for {ejected:.1f} s"
     failures, held, _, _ = seen["answered"]
     assert (failures, held) == (0, 0)
+
+
+class LoadingEngine(SleepyEngine):
+    """An engine whose Info answers as engine/service.py's does while it
+    loads its models, for ``load_s`` from its start; records when it was
+    asked."""
+
+    def __init__(self, load_s: float) -> None:
+        super().__init__(delay_s=0.0)
+        self.ready_at = time.monotonic() + load_s
+        self.asked: list[float] = []
+
+    async def Info(
+        self, request: internal_pb2.EngineInfoRequest, context: grpc.aio.ServicerContext
+    ) -> internal_pb2.EngineInfo:
+        self.asked.append(time.monotonic())
+        if self.asked[-1] < self.ready_at:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, ENGINE_LOADING)
+        return await super().Info(request, context)
+
+
+def test_an_engine_loading_its_models_is_asked_again_soon(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An engine loads its models for 2 s (a restart; minutes on a GPU):
+    its Info is asked every LOADING_POLL_S meanwhile, and it is connected
+    within about that once ready, with no warning. (Each "loading" answer
+    counted as a failed try: the waits grew 0.05, 0.1, ... 1.6 s, the engine
+    was connected up to 2.4 s after it was ready, and the stream client
+    warned at each start.)"""
+
+    async def scenario() -> tuple[LoadingEngine, float]:
+        servicer = LoadingEngine(load_s=2.0)
+        server = grpc.aio.server()
+        internal_pb2_grpc.add_EngineServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        client = EngineClient(f"127.0.0.1:{port}", lambda: None)
+        client.start()
+        try:
+            async with asyncio.timeout(10):
+                while not client.connected:
+                    await asyncio.sleep(0.01)
+            return servicer, time.monotonic() - servicer.ready_at
+        finally:
+            await client.close()
+            await server.stop(None)
+
+    with caplog.at_level(logging.INFO):
+        servicer, late = asyncio.run(scenario())
+    loading = [t for t in servicer.asked if t < servicer.ready_at]
+    gaps = [round(b - a, 2) for a, b in zip(loading, loading[1:], strict=False)]
+    assert max(gaps) < 2 * LOADING_POLL_S, gaps
+    assert late < 3 * LOADING_POLL_S, f"connected {late:.2f} s after it was ready"
+    warnings = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno >= logging.WARNING and r.name.startswith("berth.")
+    ]
+    assert warnings == []
+    assert "is loading its models: waiting" in caplog.text
