@@ -87,8 +87,9 @@ def become_idle_class() -> None:
 
 def spin(parent: int) -> None:
     """Run until the parent (berth serve) is gone. The loop is Python's own
-    bytecode; it checks the parent a few times a second, behind the
-    PR_SET_PDEATHSIG that the supervisor sets for every child."""
+    bytecode; it checks the parent every 2,000,000 turns (tens of
+    milliseconds), behind the PR_SET_PDEATHSIG that the supervisor sets for
+    every child."""
     while True:
         for _ in range(2_000_000):
             pass
