@@ -38,10 +38,12 @@ def serve_metrics(service: str, host: str, port: int) -> None:
     if port <= 0:
         log.info("%s: metrics disabled (--metrics-port 0)", service)
         return
+    from services.server import ListenError  # (services.loop.run: exit 1)
+
     try:
         start_http_server(port, addr=host)
     except OSError as exc:
-        raise OSError(
+        raise ListenError(
             f"{service}: cannot serve /metrics on {host}:{port}: {exc.strerror}; "
             "set --metrics-port to a free port (0: off)"
         ) from exc

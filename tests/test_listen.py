@@ -144,3 +144,28 @@ def test_a_gateway_own_port_that_is_its_port_is_refused() -> None:
     )
     assert done.returncode == 2, done.stderr
     assert "--own-port 6000 is --port too" in done.stderr, done.stderr
+
+
+def test_a_metrics_port_in_use_exits_1_saying_why(repository: Path) -> None:
+    """It ended the service with a traceback."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        metrics = taken.getsockname()[1]
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "batcher",
+                *("--host", "127.0.0.1", "--port", str(free_port())),
+                *("--engines", "127.0.0.1:1", "--metrics-port", str(metrics)),
+                *("--model-repository", str(repository)),
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 1, done.stderr
+    assert f"cannot serve /metrics on 127.0.0.1:{metrics}" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
