@@ -485,14 +485,26 @@ def _options(args: argparse.Namespace) -> Any:
     return options
 
 
-# Texts per call when they come from stdin (the gateway's default --max-texts).
+# Texts per call when they come from stdin: the gateway's default --max-texts
+# (`berth embed --per-call N` for a gateway that takes fewer).
 STDIN_CHUNK = 256
+
+
+def _positive(raw: str) -> int:
+    """An argparse type: a whole number of 1 or more."""
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a whole number of 1 or more")
+    return value
 
 
 def _texts(args: argparse.Namespace) -> list[tuple[list[str], list[int]]]:
     """The command's texts, in calls, each with the stdin line of each text:
     the arguments in one call (no lines), or with the one argument ``-``,
-    stdin's lines (blank ones skipped) in calls of STDIN_CHUNK.
+    stdin's lines (blank ones skipped) in calls of ``args.per_call``.
 
     Stdin is read as UTF-8 whatever the locale (a gRPC string is UTF-8), a
     leading byte-order mark dropped: a file saved with one would otherwise
@@ -519,10 +531,10 @@ def _texts(args: argparse.Namespace) -> list[tuple[list[str], list[int]]]:
         raise SystemExit("berth: no texts on stdin (one text per line)")
     return [
         (
-            [line for _, line in kept[i : i + STDIN_CHUNK]],
-            [n for n, _ in kept[i : i + STDIN_CHUNK]],
+            [line for _, line in kept[i : i + args.per_call]],
+            [n for n, _ in kept[i : i + args.per_call]],
         )
-        for i in range(0, len(kept), STDIN_CHUNK)
+        for i in range(0, len(kept), args.per_call)
     ]
 
 
@@ -772,6 +784,13 @@ def build_parser() -> argparse.ArgumentParser:
             "blank lines skipped)",
         )
         p.add_argument("--model", default=default_model)
+        p.add_argument(
+            "--per-call",
+            type=_positive,
+            default=STDIN_CHUNK,
+            help="texts per call when they come from stdin (the gateway's "
+            "--max-texts, default %(default)s)",
+        )
         p.add_argument(
             "--truncate", action="store_true", help="cut texts over the limit"
         )

@@ -48,9 +48,19 @@ def berth_stdin(stdin: bytes, *args: str) -> subprocess.CompletedProcess[str]:
 class Echo(berth_pb2_grpc.BerthServicer):
     """Embed answers each text with its length as its token count and its
     first character's code point as its embedding; a text with "bad" in it
-    is refused as the gateway refuses one, by its index in the call."""
+    is refused as the gateway refuses one, by its index in the call, and so
+    is a call of more than ``max_texts``."""
+
+    def __init__(self, max_texts: int = 256) -> None:
+        self.max_texts = max_texts
 
     def Embed(self, request: Any, context: grpc.ServicerContext) -> Any:
+        if len(request.texts) > self.max_texts:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"too many texts: {len(request.texts)} in one call, the limit is "
+                f"{self.max_texts} (gateway flag --max-texts)",
+            )
         for i, text in enumerate(request.texts):
             if "bad" in text:
                 context.abort(
@@ -65,16 +75,38 @@ class Echo(berth_pb2_grpc.BerthServicer):
         )
 
 
-@pytest.fixture
-def echo() -> Iterator[str]:
+def serve_echo(servicer: Echo) -> Iterator[str]:
     server = grpc.server(futures.ThreadPoolExecutor(2))
-    berth_pb2_grpc.add_BerthServicer_to_server(Echo(), server)
+    berth_pb2_grpc.add_BerthServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
         yield f"127.0.0.1:{port}"
     finally:
         server.stop(None)
+
+
+@pytest.fixture
+def echo() -> Iterator[str]:
+    yield from serve_echo(Echo())
+
+
+@pytest.fixture
+def echo_100() -> Iterator[str]:
+    """As a gateway started with --max-texts 100."""
+    yield from serve_echo(Echo(max_texts=100))
+
+
+def test_per_call_fits_stdin_to_a_gateways_max_texts(echo_100: str) -> None:
+    lines = "".join(f"text {n}\n" for n in range(250)).encode()
+    refused = berth_stdin(lines, "embed", "-", "--address", echo_100)
+    assert refused.returncode == 1 and "the limit is 100" in refused.stderr
+    done = berth_stdin(lines, "embed", "-", "--per-call", "100", "--address", echo_100)
+    assert done.returncode == 0, done.stderr
+    assert len(json.loads(done.stdout)) == 250
+    bad = berth_stdin(lines, "embed", "-", "--per-call", "0", "--address", echo_100)
+    assert bad.returncode == 2, bad.stderr
+    assert "'0' is not a whole number of 1 or more" in bad.stderr
 
 
 def test_stdin_is_utf8_with_its_byte_order_mark_dropped(echo: str) -> None:
