@@ -61,9 +61,10 @@ class Stack:
         (gateway,) = free_ports(1)
         # Engine and batcher ports are consecutive from --engine-port and
         # --batcher-port: find free runs.
-        base = _free_run(engines)
-        batcher = _free_run(batchers)
-        metrics_base = _free_run(engines + gateways + batchers)
+        taken = {gateway}
+        base = _free_run(engines, taken)
+        batcher = _free_run(batchers, taken)
+        metrics_base = _free_run(engines + gateways + batchers, taken)
         self.gateway = f"127.0.0.1:{gateway}"
         # /metrics: gateway, batcher, each engine, then the other gateways,
         # then the other batchers.
@@ -73,7 +74,7 @@ class Stack:
         ]
         self.batcher = f"127.0.0.1:{batcher}"
         self.engines = [f"127.0.0.1:{base + i}" for i in range(engines)]
-        own = _free_run(gateways) if own_ports else 0
+        own = _free_run(gateways, taken) if own_ports else 0
         self.own_gateways = [
             f"127.0.0.1:{own + i}" for i in range(gateways if own else 0)
         ]
@@ -142,12 +143,14 @@ class Stack:
         return self.proc.returncode
 
 
-def _free_run(n: int) -> int:
-    """A port p such that p .. p+n-1 are all free."""
+def _free_run(n: int, taken: set[int] | None = None) -> int:
+    """A port p such that p .. p+n-1 are all free, none of them in ``taken``
+    (to which they are added: the runs of one stack must not overlap, and
+    nothing holds a free port until its service binds it)."""
     for _ in range(100):
         (p,) = free_ports(1)
-        ok = True
-        for q in range(p, p + n):
+        ok = taken is None or taken.isdisjoint(range(p, p + n))
+        for q in range(p, p + n) if ok else ():
             with socket.socket() as s:
                 try:
                     s.bind(("127.0.0.1", q))
@@ -155,6 +158,8 @@ def _free_run(n: int) -> int:
                     ok = False
                     break
         if ok:
+            if taken is not None:
+                taken.update(range(p, p + n))
             return p
     raise RuntimeError("no run of free ports")
 
