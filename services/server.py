@@ -47,35 +47,30 @@ def why_not_listening(address: str, reuse_port: bool) -> str:
     each address it stands for as gRPC binds it: gRPC says no more than that
     the bind failed, and a port in use is not the only cause (a --host that
     does not resolve or is not this machine's, a port below 1024)."""
-    from services.supervisor import _listen_addresses
+    from services.supervisor import bound, listen_addresses
 
     host, _, port = address.rpartition(":")
     try:
-        addresses = _listen_addresses(host, int(port))
+        addresses = listen_addresses(host, int(port))
     except socket.gaierror as exc:
         return f"cannot resolve {host!r} ({exc.strerror}): check --host"
     for family, where, required in addresses:
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if reuse_port:  # beside the ones meant to share it
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            if family == socket.AF_INET6:  # [::] takes IPv4 too, as gRPC's does
-                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            try:
-                probe.bind(where)
-            except OSError as exc:
-                if exc.errno == errno.EADDRINUSE:
-                    break
-                if not required:
-                    continue  # the wildcard of a family that is off here
-                if exc.errno == errno.EADDRNOTAVAIL:
-                    return f"{where[0]} is not an address of this machine: check --host"
-                if exc.errno == errno.EACCES:
-                    return (
-                        "permission denied (a port below 1024 needs root or "
-                        "CAP_NET_BIND_SERVICE)"
-                    )
-                return f"{exc.strerror} (on {where[0]})"
+        try:
+            # (sharing: beside the ones meant to share the port)
+            bound(family, where, hold=False, share=reuse_port).close()
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                break
+            if not required:
+                continue  # the wildcard of a family that is off here
+            if exc.errno == errno.EADDRNOTAVAIL:
+                return f"{where[0]} is not an address of this machine: check --host"
+            if exc.errno == errno.EACCES:
+                return (
+                    "permission denied (a port below 1024 needs root or "
+                    "CAP_NET_BIND_SERVICE)"
+                )
+            return f"{exc.strerror} (on {where[0]})"
     else:
         # Every address binds now: the listener in the way just went, or
         # gRPC's own log line above says what else failed.

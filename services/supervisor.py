@@ -196,7 +196,7 @@ def check_listeners(listeners: list[Listener]) -> None:
 Address = tuple[Any, ...]  # a socket address: (host, port), IPv6 (host, port, 0, scope)
 
 
-def _listen_addresses(host: str, port: int) -> list[tuple[int, Address, bool]]:
+def listen_addresses(host: str, port: int) -> list[tuple[int, Address, bool]]:
     """(family, socket address, required) the children listen on at host:
     the addresses host resolves to; for a wildcard, both families' wildcards
     (the one host did not name is not required: IPv6 may be off)."""
@@ -214,13 +214,19 @@ def _listen_addresses(host: str, port: int) -> list[tuple[int, Address, bool]]:
     return sorted(found)
 
 
-def _bound(family: int, address: Address, *, hold: bool) -> socket.socket:
+def bound(
+    family: int, address: Address, *, hold: bool, share: bool = False
+) -> socket.socket:
     """A socket bound to address: a test bind (SO_REUSEADDR, not
-    SO_REUSEPORT), or a hold (SO_REUSEPORT only); see above."""
+    SO_REUSEPORT), or a hold (SO_REUSEPORT only); see above. ``share``: a
+    test bind with SO_REUSEPORT as well, as a service that shares its port
+    binds (services/server.py why_not_listening)."""
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         option = socket.SO_REUSEPORT if hold else socket.SO_REUSEADDR
         sock.setsockopt(socket.SOL_SOCKET, option, 1)
+        if share and not hold:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         if family == socket.AF_INET6:  # [::] takes IPv4 too, as gRPC's does
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
         sock.bind(address)
@@ -257,14 +263,14 @@ def _free_addresses(host: str, listener: Listener) -> list[tuple[int, Address]]:
     """The addresses the listener's child will listen on, each free to a test
     bind; raises PortUnavailable naming the port and its flag."""
     try:
-        addresses = _listen_addresses(host, listener.port)
+        addresses = listen_addresses(host, listener.port)
     except socket.gaierror as exc:
         message = f"--host {host}: cannot resolve it ({exc.strerror})"
         raise PortUnavailable(message) from exc
     free = []
     for family, address, required in addresses:
         try:
-            _bound(family, address, hold=False).close()
+            bound(family, address, hold=False).close()
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
                 off = " (0: no /metrics)" if listener.metrics else ""
@@ -294,7 +300,7 @@ def reserve_ports(host: str, listeners: list[Listener]) -> PortReservation:
             continue  # the Prometheus server binds without SO_REUSEPORT
         for family, address in addresses:
             try:
-                held.append(_bound(family, address, hold=True))
+                held.append(bound(family, address, hold=True))
             except OSError as exc:
                 # Free to a test bind yet not to a hold (a TIME_WAIT left by
                 # a socket without SO_REUSEPORT): checked, not held.
