@@ -23,7 +23,6 @@ import grpc
 import numpy as np
 import pytest
 
-from batcher import scheduler
 from batcher.scheduler import SchedulerConfig
 from batcher.service import BatcherService
 from services.proto.berth.v1 import internal_pb2, internal_pb2_grpc
@@ -302,31 +301,3 @@ def test_the_scheduler_refuses_a_malformed_entry_it_is_handed_directly() -> None
         result.message == MALFORMED + "offsets end at 4, but token_ids holds 6 tokens"
     )
     assert queued == 0
-
-
-def test_the_one_sequence_shortcut_passes_exactly_what_the_full_check_does(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """malformed() passes a well-formed entry of one sequence without its
-    full check (_one_well_formed, for speed): over every one-id entry of up
-    to 7 tokens (and token or offset bytes of no whole int32), offsets from
-    -1 to 8 and two limits, the shortcut passes an entry exactly when the
-    full check finds nothing wrong with it."""
-    entries = []
-    for tokens in [*range(8), b"\x01\x00\x00\x00\x02\x00"]:
-        for start in range(-1, 3):
-            for end in range(-1, 9):
-                entries.append(entry([5], tokens, [start, end]))
-                entries.append(
-                    entry([5], tokens, np.array([start, end], "<i4").tobytes()[:6])
-                )
-        entries.append(entry([5], tokens, [0, 1, 2]))
-    checked = 0
-    for max_tokens in (3, 16):
-        passed = [scheduler._one_well_formed(e, max_tokens) for e in entries]
-        with monkeypatch.context() as patched:
-            patched.setattr(scheduler, "_one_well_formed", lambda *_: False)
-            full = [scheduler.malformed(e, max_tokens) is None for e in entries]
-        assert passed == full
-        checked += sum(full)
-    assert checked == 7 + 3  # well-formed: [0, n] for n of 1..7 tokens, 1..3
