@@ -243,14 +243,14 @@ async def _client(
 ) -> tuple[list[Row], float, Examples]:
     import grpc
 
-    from services.channels import CHANNEL_OPTIONS
+    from services.channels import channel_options
     from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
 
     out: list[Row] = []
     examples: Examples = {}
     # Several connections, used in turn: `berth serve --gateways N` runs N
     # processes on one port and the kernel spreads connections, not calls.
-    options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
+    options = [*channel_options(), ("grpc.use_local_subchannel_pool", 1)]
     channels = [
         grpc.aio.insecure_channel(target, options=options)
         for target in connection_targets(plan)

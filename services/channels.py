@@ -97,15 +97,6 @@ def server_options(
     ]
 
 
-# The options as they are by default (without the environment's overrides).
-CHANNEL_OPTIONS = channel_options(
-    (DEFAULT_KEEPALIVE_TIME_MS, DEFAULT_KEEPALIVE_TIMEOUT_MS)
-)
-SERVER_OPTIONS = server_options(
-    (DEFAULT_KEEPALIVE_TIME_MS, DEFAULT_KEEPALIVE_TIMEOUT_MS)
-)
-
-
 def aio_channel(target: str) -> grpc.aio.Channel:
     """An insecure asyncio channel to another berth service."""
     return grpc.aio.insecure_channel(target, options=channel_options())
