@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import grpc  # noqa: E402
 
+from services.idle import IDLE_CHOICES  # noqa: E402
 from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc  # noqa: E402
 from tests.stack import ROOT, Stack, children  # noqa: E402
 
@@ -81,7 +82,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--idle-cpus",
-        choices=("sleep", "spin"),
+        choices=IDLE_CHOICES,
         default="sleep",
         help="spin: `berth serve --idle-cpus spin` (idle CPUs never halt)",
     )

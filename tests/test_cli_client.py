@@ -19,19 +19,8 @@ from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
 from tests.stack import ROOT, Stack, free_ports
 
 
-def berth(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "services.cli", *args],
-        cwd=ROOT,
-        env=os.environ,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
 def berth_stdin(stdin: bytes, *args: str) -> subprocess.CompletedProcess[str]:
-    """`berth ARGS` with ``stdin`` as raw bytes."""
+    """`berth ARGS` with ``stdin`` as raw bytes; its output as text."""
     done = subprocess.run(
         [sys.executable, "-m", "services.cli", *args],
         cwd=ROOT,
@@ -43,6 +32,10 @@ def berth_stdin(stdin: bytes, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.CompletedProcess(
         done.args, done.returncode, done.stdout.decode(), done.stderr.decode()
     )
+
+
+def berth(*args: str) -> subprocess.CompletedProcess[str]:
+    return berth_stdin(b"", *args)
 
 
 class Echo(berth_pb2_grpc.BerthServicer):

@@ -17,19 +17,12 @@ from pathlib import Path
 import pytest
 
 from services.server import ListenError, ServiceServer
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.stack import ROOT, free_ports
 
 
 def test_a_second_server_on_a_port_is_refused_unless_both_share() -> None:
     async def scenario() -> None:
-        port = free_port()
+        port = free_ports(1)[0]
         first = ServiceServer("first", f"127.0.0.1:{port}", [], reuse_port=False)
         await first.start()
         try:
@@ -37,7 +30,7 @@ def test_a_second_server_on_a_port_is_refused_unless_both_share() -> None:
                 ServiceServer("second", f"127.0.0.1:{port}", [], reuse_port=True)
         finally:
             await first.server.stop(None)
-        port = free_port()
+        port = free_ports(1)[0]
         a = ServiceServer("a", f"127.0.0.1:{port}", [], reuse_port=True)
         b = ServiceServer("b", f"127.0.0.1:{port}", [], reuse_port=True)
         assert a.port == b.port == port
@@ -51,7 +44,7 @@ def test_reuse_port_comes_from_the_environment(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     async def pair() -> None:
-        port = free_port()
+        port = free_ports(1)[0]
         a = ServiceServer("a", f"127.0.0.1:{port}", [])
         try:
             ServiceServer("b", f"127.0.0.1:{port}", [])
@@ -67,7 +60,7 @@ def test_reuse_port_comes_from_the_environment(
 def test_a_second_batcher_on_a_served_port_exits_1_saying_why(
     repository: Path, tmp_path: Path
 ) -> None:
-    port = free_port()
+    port = free_ports(1)[0]
     argv = [
         sys.executable,
         "-m",
@@ -118,7 +111,7 @@ def test_a_listen_error_says_why_when_the_port_is_not_in_use(
 ) -> None:
     """A bind fails for more than a port in use; the message said 'another
     process listens there' whatever the cause."""
-    address = address.format(port=free_port())
+    address = address.format(port=free_ports(1)[0])
 
     async def scenario() -> None:
         server = ServiceServer("x", address, [], reuse_port=False)
@@ -157,7 +150,7 @@ def test_a_metrics_port_in_use_exits_1_saying_why(repository: Path) -> None:
                 sys.executable,
                 "-m",
                 "batcher",
-                *("--host", "127.0.0.1", "--port", str(free_port())),
+                *("--host", "127.0.0.1", "--port", str(free_ports(1)[0])),
                 *("--engines", "127.0.0.1:1", "--metrics-port", str(metrics)),
                 *("--model-repository", str(repository)),
             ],
