@@ -403,6 +403,89 @@ class Step:
     error_examples: dict[str, str] = field(default_factory=dict)
     # CPU seconds each role used during the step (engine, batcher, ...).
     cpu_s: dict[str, float] = field(default_factory=dict)
+    # What the services' /metrics say about the step (`pipeline()`).
+    pipeline: dict[str, Any] = field(default_factory=dict)
+
+
+# (metric, label filter) summed over every process; each step reports the
+# difference between a reading before it and one after.
+READINGS = {
+    "gpu_s": ("berth_engine_stage_seconds_sum", {"stage": "compute"}),
+    "engine_batches": ("berth_engine_stage_seconds_count", {"stage": "compute"}),
+    "rows": ("berth_batcher_batch_size_sum", {}),
+    "batches": ("berth_batcher_batch_size_count", {}),
+    "queue_wait_s": ("berth_batcher_queue_wait_seconds_sum", {}),
+    "queued": ("berth_batcher_queue_wait_seconds_count", {}),
+    "batch_latency_s": ("berth_batcher_batch_latency_seconds_sum", {}),
+    "answered": ("berth_batcher_batch_latency_seconds_count", {}),
+    "gateway_inference_s": ("berth_gateway_stage_seconds_sum", {"stage": "inference"}),
+    "gateway_total_s": ("berth_gateway_stage_seconds_sum", {"stage": "total"}),
+    "gateway_requests": ("berth_gateway_stage_seconds_count", {"stage": "total"}),
+}
+
+
+def read_metrics(urls: list[str]) -> dict[str, float]:
+    """READINGS summed over the services' /metrics pages (and per bucket for
+    the batchers' rows and batches: "rows@32", "batches@32")."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for url in urls:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as page:
+                text = page.read().decode()
+        except OSError:
+            continue
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                for key, (name, labels) in READINGS.items():
+                    if sample.name != name or any(
+                        sample.labels.get(k) != v for k, v in labels.items()
+                    ):
+                        continue
+                    out[key] = out.get(key, 0.0) + sample.value
+                    bucket = sample.labels.get("bucket")
+                    if bucket and key in ("rows", "batches"):
+                        out[f"{key}@{bucket}"] = (
+                            out.get(f"{key}@{bucket}", 0.0) + sample.value
+                        )
+    return out
+
+
+def pipeline(
+    before: dict[str, float], after: dict[str, float], wall_s: float
+) -> dict[str, Any]:
+    """What the stack did in one step: batches and their rows (per length
+    bucket), the share of the step the GPU spent computing (the engines'
+    event-timed compute stage), mean queue wait and batch latency."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    if not d.get("batches"):
+        return {}
+
+    def mean_ms(total: str, count: str) -> float:
+        return round(1000 * d.get(total, 0.0) / d[count], 3) if d.get(count) else 0.0
+
+    buckets = sorted(int(k.split("@")[1]) for k in d if k.startswith("batches@"))
+    return {
+        "batches": int(d["batches"]),
+        "rows_per_batch": round(d["rows"] / d["batches"], 2),
+        "gpu_busy": round(d.get("gpu_s", 0.0) / wall_s, 3),
+        "gpu_ms_per_batch": mean_ms("gpu_s", "engine_batches"),
+        "queue_wait_ms": mean_ms("queue_wait_s", "queued"),
+        "batch_latency_ms": mean_ms("batch_latency_s", "answered"),
+        "gateway_inference_ms": mean_ms("gateway_inference_s", "gateway_requests"),
+        "gateway_total_ms": mean_ms("gateway_total_s", "gateway_requests"),
+        "by_bucket": {
+            b: {
+                "batches": int(d[f"batches@{b}"]),
+                "rows_per_batch": round(d[f"rows@{b}"] / d[f"batches@{b}"], 2),
+            }
+            for b in buckets
+            if d.get(f"batches@{b}")
+        },
+    }
 
 
 def run_step(
@@ -419,6 +502,7 @@ def run_step(
     connections: int = 1,
     api: str = "unary",
     spread: list[str] | None = None,
+    metrics: list[str] | None = None,
 ) -> Step:
     """Send texts as Poisson arrivals at rate, split over client processes."""
     rng = random.Random(seed)
@@ -464,15 +548,22 @@ def run_step(
     for _ in procs:
         ready.get(timeout=120)
     before = server_cpu(supervisor_pid)
-    start_at.value = time.monotonic() + 0.2
+    read_before = read_metrics(metrics or [])
+    began = time.monotonic()
+    start_at.value = began + 0.2
     go.set()
     answers = [results.get() for _ in procs]
     after = server_cpu(supervisor_pid)
+    read_after = read_metrics(metrics or [])
+    wall = time.monotonic() - began - 0.2
     for p in procs:
         p.join()
     step = summarize(name, rate, [row for rows, _, _ in answers for row in rows])
     step.cpu_s = cpu_by_role(before, after)
     step.cpu_s["clients"] = round(sum(cpu for _, cpu, _ in answers), 2)
+    step.pipeline = pipeline(read_before, read_after, wall)
+    if step.pipeline:
+        print(f"  {name}: {json.dumps(step.pipeline)}", flush=True)
     for _, _, examples in answers:
         for code, details in examples.items():
             step.error_examples.setdefault(code, details)
@@ -611,6 +702,11 @@ def parse_args() -> argparse.Namespace:
     custom.add_argument("--batchers", type=int, help="batcher processes")
     custom.add_argument("--buckets", help="length buckets, e.g. 16,32,48,64,512")
     custom.add_argument(
+        "--own-ports",
+        action="store_true",
+        help="connections spread over the gateways' own ports, as the spread profile",
+    )
+    custom.add_argument(
         "--env",
         action="append",
         default=[],
@@ -630,7 +726,14 @@ def profiles_of(args: argparse.Namespace) -> list[Profile]:
         if name not in PROFILES:
             raise SystemExit(f"unknown profile {name!r}; use {', '.join(PROFILES)}")
         chosen.append(PROFILES[name])
-    if args.engines or args.gateways or args.batchers or args.buckets or args.env:
+    if (
+        args.engines
+        or args.gateways
+        or args.batchers
+        or args.buckets
+        or args.env
+        or args.own_ports
+    ):
         chosen.append(
             Profile(
                 "custom",
@@ -642,6 +745,7 @@ def profiles_of(args: argparse.Namespace) -> list[Profile]:
                 if args.buckets
                 else None,
                 env=dict(kv.split("=", 1) for kv in args.env),
+                spread=args.own_ports,
             )
         )
     return chosen
@@ -716,6 +820,7 @@ def serve_and_measure(
     stack = None
     address = args.address
     spread: list[str] = []
+    metrics: list[str] = []
     if address is None:
         from tests.stack import Stack
 
@@ -740,6 +845,7 @@ def serve_and_measure(
         stack.wait_serving()
         address = stack.gateway
         spread = stack.own_gateways
+        metrics = stack.metrics
     pid = stack.proc.pid if stack is not None else None
     steps: list[Step] = []
     try:
@@ -762,6 +868,7 @@ def serve_and_measure(
                 connections=args.connections,
                 api=args.api,
                 spread=spread,
+                metrics=metrics,
             )
             steps.append(step)
             print(table([step]).splitlines()[-1], flush=True)
