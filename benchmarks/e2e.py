@@ -700,7 +700,11 @@ def parse_args() -> argparse.Namespace:
     custom.add_argument("--engines", type=int, help="engine processes")
     custom.add_argument("--gateways", type=int, help="gateway processes")
     custom.add_argument("--batchers", type=int, help="batcher processes")
-    custom.add_argument("--buckets", help="length buckets, e.g. 16,32,48,64,512")
+    custom.add_argument(
+        "--buckets",
+        help="length buckets, e.g. 16,32,48,64,512; several sets separated by / "
+        "are measured one after another",
+    )
     custom.add_argument(
         "--own-ports",
         action="store_true",
@@ -734,20 +738,20 @@ def profiles_of(args: argparse.Namespace) -> list[Profile]:
         or args.env
         or args.own_ports
     ):
-        chosen.append(
-            Profile(
-                "custom",
-                "from --engines/--gateways/--batchers/--buckets/--env",
-                engines=args.engines or 0,
-                gateways=args.gateways or 0,
-                batchers=args.batchers or 0,
-                buckets=[int(b) for b in args.buckets.split(",")]
-                if args.buckets
-                else None,
-                env=dict(kv.split("=", 1) for kv in args.env),
-                spread=args.own_ports,
+        # One custom profile per bucket set ("32,128,512/16,32,64,512": two).
+        for buckets in (args.buckets or "").split("/"):
+            chosen.append(
+                Profile(
+                    f"custom {buckets}" if "/" in (args.buckets or "") else "custom",
+                    "from --engines/--gateways/--batchers/--buckets/--env",
+                    engines=args.engines or 0,
+                    gateways=args.gateways or 0,
+                    batchers=args.batchers or 0,
+                    buckets=[int(b) for b in buckets.split(",")] if buckets else None,
+                    env=dict(kv.split("=", 1) for kv in args.env),
+                    spread=args.own_ports,
+                )
             )
-        )
     return chosen
 
 
