@@ -10,7 +10,12 @@ from batcher.engines import EnginePool
 from batcher.options import add_scheduler_flags, scheduler_config
 from batcher.scheduler import ModelScheduler
 from batcher.service import BatcherService
-from services.config import DEFAULT_BATCHER_PORT, add_flag, repository_flag
+from services.config import (
+    DEFAULT_BATCHER_PORT,
+    add_flag,
+    gpu_buckets_flag,
+    repository_flag,
+)
 from services.logs import setup_logging
 from services.loop import freeze_startup_heap, run
 from services.metrics import serve_metrics
@@ -31,6 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser, "drain-timeout-s", 30.0, "on SIGTERM, how long in-flight work may take"
     )
     repository_flag(parser)
+    gpu_buckets_flag(parser)
     return parser.parse_args(argv)
 
 
@@ -38,7 +44,7 @@ async def main(args: argparse.Namespace) -> None:
     log = setup_logging("batcher")
     setup_tracing("batcher")
     serve_metrics("batcher", args.host, args.metrics_port)
-    repository = load_repository(args.model_repository)
+    repository = load_repository(args.model_repository, gpu=args.gpu_buckets)
     config = scheduler_config(args)
     pool = EnginePool([a for a in args.engines.split(",") if a])
     schedulers = {

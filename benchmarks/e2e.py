@@ -776,7 +776,8 @@ def machine() -> dict[str, Any]:
 
 
 def rebucketed(repository: Path, buckets: list[int], into: Path) -> Path:
-    """A copy of the repository with other length buckets (files linked)."""
+    """A copy of the repository with other length buckets, on CPUs and GPUs
+    alike (files linked)."""
     from services.repository import load_repository
 
     for name, entry in load_repository(repository).items():
@@ -786,7 +787,7 @@ def rebucketed(repository: Path, buckets: list[int], into: Path) -> Path:
             if path.name != "berth.json":
                 (target / path.name).symlink_to(path.resolve())
         entry.checkpoint = str(entry.checkpoint_dir)
-        entry.buckets = buckets
+        entry.buckets = entry.gpu_buckets = buckets
         (target / "berth.json").write_text(entry.to_json())
     return into
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.random_models import write_random_checkpoint
-from services.default_models import SHORT_TEXT_BUCKETS, minilm_checkpoint
+from services.default_models import GPU_BUCKETS, SHORT_TEXT_BUCKETS, minilm_checkpoint
 from services.repository import ModelEntry
 
 log = logging.getLogger("berth.bench")
@@ -43,6 +43,7 @@ def write_entry(root: Path, name: str, checkpoint: Path) -> Path:
         pooling="mean",
         normalize=True,
         buckets=list(SHORT_TEXT_BUCKETS),
+        gpu_buckets=list(GPU_BUCKETS),
     )
     entry_dir = root / name / name
     entry_dir.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ import asyncio
 import signal
 
 from engine.backend import Backend
-from engine.backends_by_model import create_model_router
+from engine.backends_by_model import ModelRouter, create_model_router
 from engine.cuda_graphs import bucket_shapes
 from engine.service import EngineService
 from services.config import DEFAULT_ENGINE_PORT, add_flag, repository_flag
@@ -62,6 +62,7 @@ async def main(args: argparse.Namespace) -> None:
     # Each model's repository entry picks its backend; --backend is the
     # fallback for one that cannot start here.
     router = create_model_router(models, args.backend, args.device)
+    models = as_served(models, router)
     chosen = set(router.chosen.values())
     # One backend for every model (the usual case): use it directly, so its
     # fast paths (the CUDA backend's pipelined submit/collect) stay visible.
@@ -93,6 +94,18 @@ async def main(args: argparse.Namespace) -> None:
     log.info("engine SERVING %s on %s", ", ".join(models), server.address)
     await server.run_until_signalled(grace_s=args.drain_timeout_s)
     shutdown_tracing()
+
+
+def as_served(
+    models: dict[str, ModelEntry], router: ModelRouter
+) -> dict[str, ModelEntry]:
+    """Each model as this engine serves it: one its backend runs on a GPU in
+    its gpu_buckets (the lengths it captures graphs for, and what batchers
+    started with --gpu-buckets send), one on the CPU in its buckets."""
+    return {
+        name: entry if router.backend_for(name).device == "cpu" else entry.for_gpu()
+        for name, entry in models.items()
+    }
 
 
 def warmup_shapes(

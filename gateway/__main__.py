@@ -18,6 +18,7 @@ from services.config import (
     DEFAULT_BATCHER_PORT,
     DEFAULT_GATEWAY_PORT,
     add_flag,
+    gpu_buckets_flag,
     repository_flag,
 )
 from services.errors import BerthError, Unavailable
@@ -82,6 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "answered, not CANCELLED, and health-checking clients move away",
     )
     repository_flag(parser)
+    gpu_buckets_flag(parser)
     add_scheduler_flags(parser)  # used when batching inline (--engines)
     args = parser.parse_args(argv)
     if args.own_port and args.own_port == args.port:
@@ -160,7 +162,7 @@ async def main(args: argparse.Namespace) -> None:
     setup_logging("gateway")
     setup_tracing("gateway")
     serve_metrics("gateway", args.host, args.metrics_port)
-    repository = load_repository(args.model_repository)
+    repository = load_repository(args.model_repository, gpu=args.gpu_buckets)
     engines = [a for a in args.engines.split(",") if a]
     batcher: Batching
     if engines:

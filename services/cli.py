@@ -338,6 +338,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # one to fill (small on that scale).
     cpu_batching = ("--hedge-p95", "--latency-target-ms", "500", "--max-delay-ms", "50")
     batching = () if gpus else cpu_batching
+    # Batchers and gateways batch to the lengths GPU engines capture graphs
+    # for (each model's gpu_buckets); --no-gpu-buckets as well, so that a
+    # BERTH_GPU_BUCKETS set where serve runs cannot disagree with its engines.
+    buckets = ("--gpu-buckets",) if gpus else ("--no-gpu-buckets",)
     # /metrics: gateway 0 on the base port, batcher 0 next, the engines, then
     # the other gateways, then the other batchers.
     batcher_metrics = [1] + [engines + gateways + i for i in range(1, batchers)]
@@ -361,6 +365,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     "--metrics-port",
                     metrics_port(name, batcher_metrics[i]),
                     *batching,
+                    *buckets,
                     *common,
                 ),
             )
@@ -407,6 +412,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     "--metrics-port",
                     metrics_port(name, 0 if i == 0 else 1 + engines + i),
                     *own,
+                    *buckets,
                     *common,
                 ),
             )

@@ -89,3 +89,15 @@ def repository_flag(parser: argparse.ArgumentParser) -> None:
         DEFAULT_REPOSITORY,
         "directory with one <model>/berth.json per model",
     )
+
+
+def gpu_buckets_flag(parser: argparse.ArgumentParser) -> None:
+    """A batcher's or gateway's: batch to each model's gpu_buckets, the
+    lengths engines on GPUs capture graphs for (`berth serve` sets it)."""
+    add_flag(
+        parser,
+        "gpu-buckets",
+        False,
+        "the engines run on GPUs: batch to each model's gpu_buckets (berth.json) "
+        "where it has them (env BERTH_GPU_BUCKETS)",
+    )

@@ -16,7 +16,7 @@ relative to the entry's own directory.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 # The hard cap on tokens per text, whatever the model allows.
@@ -50,6 +50,14 @@ class ModelEntry:
     # Padded sequence lengths the batcher groups texts by (positive; read
     # sorted, those at or over the limit dropped, the limit itself added).
     buckets: list[int] = field(default_factory=lambda: list(DEFAULT_BUCKETS))
+    # The buckets when the model's engines run on GPUs (null: ``buckets``).
+    # There a batch of a few thousand tokens costs little more than one of
+    # a few (a forward is ~90 latency-bound kernels), so fewer, fuller
+    # batches beat less padding; on a CPU padding is what costs. An engine
+    # whose backend runs the model on a GPU uses them; batchers and gateways
+    # do when started with --gpu-buckets (`berth serve` passes it when its
+    # engines are GPUs).
+    gpu_buckets: list[int] | None = None
     # Tokens per text, 1..1024; lowered to the checkpoint's position limit.
     max_tokens: int = MAX_TOKENS_CAP
     # "auto": the measured-faster engine for the device (torch's fp16 CUDA
@@ -87,6 +95,12 @@ class ModelEntry:
                 f"{self.name}: labels {labels_file} must be a JSON list of strings"
             )
         return names
+
+    def for_gpu(self) -> ModelEntry:
+        """This entry as its engines on GPUs serve it: gpu_buckets as buckets."""
+        if self.gpu_buckets is None:
+            return self
+        return replace(self, buckets=list(self.gpu_buckets))
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -171,6 +185,11 @@ def _check_types(entry: ModelEntry, config_file: Path) -> None:
         refuse("max_tokens", f"a positive integer, at most {MAX_TOKENS_CAP}")
     if not isinstance(entry.buckets, list) or not all(map(positive, entry.buckets)):
         refuse("buckets", "a list of positive integers (sequence lengths)")
+    if entry.gpu_buckets is not None and (
+        not isinstance(entry.gpu_buckets, list)
+        or not all(map(positive, entry.gpu_buckets))
+    ):
+        refuse("gpu_buckets", "null or a list of positive integers (sequence lengths)")
 
 
 def load_entry(entry_dir: Path) -> ModelEntry:
@@ -210,13 +229,20 @@ def load_entry(entry_dir: Path) -> ModelEntry:
     # The effective limit: the entry's own (at most our cap), the position
     # embeddings.
     entry.max_tokens = min(entry.max_tokens, positions)
-    capped = sorted(b for b in set(entry.buckets) if b < entry.max_tokens)
-    entry.buckets = [*capped, entry.max_tokens]
+    entry.buckets = _capped(entry.buckets, entry.max_tokens)
+    if entry.gpu_buckets is not None:
+        entry.gpu_buckets = _capped(entry.gpu_buckets, entry.max_tokens)
     return entry
 
 
-def load_repository(root: Path | str) -> dict[str, ModelEntry]:
-    """Every model under ``root``, by name."""
+def _capped(buckets: list[int], max_tokens: int) -> list[int]:
+    """Sorted, those at or over the limit dropped, the limit itself added."""
+    return [*sorted(b for b in set(buckets) if b < max_tokens), max_tokens]
+
+
+def load_repository(root: Path | str, gpu: bool = False) -> dict[str, ModelEntry]:
+    """Every model under ``root``, by name; ``gpu``: as served by engines on
+    GPUs (each entry's gpu_buckets, where it has them, as its buckets)."""
     root = Path(root)
     if not root.is_dir():
         raise RepositoryError(
@@ -238,7 +264,7 @@ def load_repository(root: Path | str) -> dict[str, ModelEntry]:
                 f"{config_file}: name must be its directory's, {entry_dir.name!r}, "
                 f"not {entry.name!r} (<repository>/<name>/berth.json)"
             )
-        entries[entry.name] = entry
+        entries[entry.name] = entry.for_gpu() if gpu else entry
     if not entries:
         raise RepositoryError(f"model repository {root} holds no berth.json entries")
     return entries

@@ -173,3 +173,27 @@ def test_a_classifier_without_its_head_is_refused(tmp_path: Path) -> None:
         load_repository(tmp_path)
     message = str(info.value)
     assert str(config) in message and "head.safetensors" in message, message
+
+
+def test_gpu_buckets_are_capped_like_buckets_and_served_on_gpus(
+    tmp_path: Path,
+) -> None:
+    write_entry(tmp_path, buckets=[12, 24], gpu_buckets=[64, 16, 2048], max_tokens=128)
+    cpu = load_repository(tmp_path)["m"]
+    assert cpu.buckets == [12, 24, 128] and cpu.gpu_buckets == [16, 64, 128]
+    gpu = load_repository(tmp_path, gpu=True)["m"]
+    assert gpu.buckets == [16, 64, 128]
+    assert gpu.for_gpu() == gpu  # (the swap is idempotent)
+
+
+def test_without_gpu_buckets_gpus_serve_the_buckets(tmp_path: Path) -> None:
+    write_entry(tmp_path, buckets=[12, 24], max_tokens=128)
+    assert load_repository(tmp_path, gpu=True)["m"].buckets == [12, 24, 128]
+
+
+@pytest.mark.parametrize("value", [32, ["16"], [0, 32], [16.5]])
+def test_bad_gpu_buckets_are_refused_by_name(tmp_path: Path, value: object) -> None:
+    config = write_entry(tmp_path, gpu_buckets=value)
+    with pytest.raises(RepositoryError) as info:
+        load_repository(tmp_path)
+    assert str(config) in str(info.value) and "gpu_buckets" in str(info.value)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.stack import ROOT, Stack, _free_run, children
+from tests.stack import ROOT, Stack, _free_run, children, free_ports
 
 
 def test_a_child_that_dies_while_starting_is_restarted(repository: Path) -> None:
@@ -110,10 +110,40 @@ def test_bad_counts_are_refused(flags: list[str], says: str) -> None:
 def test_a_children_s_variable_does_not_change_the_topology(repository: Path) -> None:
     """BERTH_ENGINES is the batcher's (and an inline gateway's) engine list;
     set where serve runs (say, as a count of engines), it must not turn
-    serve's gateway into an inline one batching to address "2"."""
-    stack = Stack(repository, env={"BERTH_ENGINES": "2"})
+    serve's gateway into an inline one batching to address "2". Nor may
+    BERTH_GPU_BUCKETS make the batcher batch to GPU lengths its CPU engines
+    do not serve."""
+    stack = Stack(repository, env={"BERTH_ENGINES": "2", "BERTH_GPU_BUCKETS": "1"})
     try:
         stack.wait_serving(timeout=60)
     finally:
         code = stack.stop()
     assert code == 0, stack.logs()
+    assert "'minilm': [12, 16, 24, 32, 48, 64, 96, 128, 256, 512]" in stack.logs()
+
+
+def test_a_batcher_told_its_engines_are_gpus_batches_to_gpu_buckets(
+    repository: Path,
+) -> None:
+    """`--gpu-buckets` (serve passes it when its engines are GPUs): each model's
+    gpu_buckets, the lengths a GPU engine captures graphs for."""
+    port, metrics = free_ports(2)
+    with subprocess.Popen(
+        [
+            *(sys.executable, "-m", "batcher", "--gpu-buckets"),
+            *("--port", str(port), "--metrics-port", str(metrics)),
+            *("--engines", "127.0.0.1:1", "--model-repository", str(repository)),
+        ],
+        cwd=ROOT,
+        env={**os.environ, "BERTH_LOG_LEVEL": "INFO"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    ) as proc:
+        assert proc.stdout is not None
+        line = ""
+        for line in proc.stdout:
+            if "batcher core:" in line:
+                break
+        proc.terminate()
+    assert "'minilm': [16, 32, 64, 128, 256, 512]" in line, line

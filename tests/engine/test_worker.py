@@ -35,3 +35,18 @@ def test_each_model_is_warmed_up_for_its_own_device() -> None:
     on_gpu = warmup_shapes("cuda:0", entry, 8, 512)
     assert on_gpu == bucket_shapes([16, 64], 8, 512)
     assert (8, 16) in on_gpu and len(on_gpu) > 2
+
+
+def test_a_model_on_the_cpu_is_served_in_its_buckets() -> None:
+    """gpu_buckets are a GPU engine's (tests/gpu has that side): a model this
+    engine runs on the CPU keeps the buckets its padding was tuned for."""
+    from engine.__main__ import as_served
+    from engine.backends_by_model import create_model_router
+    from services.repository import ModelEntry
+
+    entry = ModelEntry(
+        name="m", task="embed", checkpoint="/x", backend="torch",
+        buckets=[12, 24, 512], gpu_buckets=[16, 512],
+    )  # fmt: skip
+    router = create_model_router({"m": entry}, "torch", "cpu")
+    assert as_served({"m": entry}, router)["m"].buckets == [12, 24, 512]

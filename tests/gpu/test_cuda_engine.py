@@ -91,6 +91,21 @@ def test_torch_on_a_gpu_is_the_graph_backend() -> None:
     assert type(eager) is TorchBackend
 
 
+def test_a_model_on_a_gpu_is_served_in_its_gpu_buckets() -> None:
+    """The engine captures graphs for, and the batchers (--gpu-buckets) send,
+    a model's gpu_buckets when its backend runs it on a GPU."""
+    from engine.__main__ import as_served
+    from engine.backends_by_model import create_model_router
+    from services.repository import ModelEntry
+
+    entry = ModelEntry(
+        name="m", task="embed", checkpoint="/x", backend="torch",
+        buckets=[12, 24, 512], gpu_buckets=[16, 512],
+    )  # fmt: skip
+    router = create_model_router({"m": entry}, "torch", "cuda:0")
+    assert as_served({"m": entry}, router)["m"].buckets == [16, 512]
+
+
 def test_embeddings_match_fp32_reference(backend: CudaBackend, refs: Fixtures) -> None:
     entry = refs.entries["minilm"]
     got = run_all(backend, "minilm", refs.text_ids, entry.buckets, 37)
