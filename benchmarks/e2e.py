@@ -625,7 +625,7 @@ PROFILES = {
     "stock": Profile(
         "stock",
         "`berth serve` as shipped (CPU: 1 engine per core, 1 gateway; "
-        "GPU: 1 engine per GPU, 1 gateway per 2 cores, 1 batcher per 4 gateways)",
+        "GPU: 1 engine per GPU, 5 gateways per 8 cores, 1 batcher per 4 gateways)",
     ),
     "spread": Profile(
         "spread",

@@ -125,13 +125,17 @@ def default_engines(gpus: int) -> int:
 
 def default_gateways(gpus: int) -> int:
     """Gateway processes: 1 on a CPU-only machine, where the engines need
-    the cores; with GPUs, 1 per 2 cores (at most 8). A gateway process
-    answers ~1,200 single-text calls/s per core on the H200 machine's
-    Xeon; 8 gateways and 2 batchers served 7,957 req/s there with p99
-    25 ms, load generator included (benchmarks/results/e2e_h200_*.json)."""
+    the cores; with GPUs, 5 per 8 cores (at most 12). The gateways are the
+    stack's CPU-bound stage, each one event loop at ~0.5 ms of CPU per
+    single-text request on the H200 machine's Xeon, so one runs out of loop
+    well before the machine runs out of cores. There (16 CPUs, load
+    generator included, benchmarks/results/e2e_h200_bert-base_stream_10_gateways.json)
+    8 gateways served 13,275 of 15,000 req/s offered (p99 582 ms; the
+    busiest gateway used 4.6 CPU-s in a 4-s step), 10 served 14,854 with
+    p99 20.5 ms; 12 with 3 batchers took more CPU than they freed."""
     if not gpus:
         return 1
-    return max(1, min(8, cpus_available() // 2))
+    return max(1, min(12, cpus_available() * 5 // 8))
 
 
 def default_batchers(gateways: int) -> int:
@@ -702,8 +706,8 @@ def build_parser() -> argparse.ArgumentParser:
         serve,
         "gateways",
         0,
-        "gateway processes sharing --port (0: 1 without a GPU, else 1 per 2 "
-        "cores, at most 8)",
+        "gateway processes sharing --port (0: 1 without a GPU, else 5 per 8 "
+        "cores, at most 12)",
     )
     add_flag(
         serve,
