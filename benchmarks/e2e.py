@@ -424,21 +424,25 @@ READINGS = {
 }
 
 
-def read_metrics(urls: list[str]) -> dict[str, float]:
-    """READINGS summed over the services' /metrics pages (and per bucket for
-    the batchers' rows and batches: "rows@32", "batches@32")."""
+def read_metrics(urls: list[str]) -> dict[str, dict[str, float]]:
+    """READINGS summed over each service's /metrics page, by URL (and per
+    bucket for the batchers' rows and batches: "rows@32", "batches@32"); a
+    page that could not be read or parsed is left out."""
+    import http.client
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    out: dict[str, float] = {}
+    pages: dict[str, dict[str, float]] = {}
     for url in urls:
+        out: dict[str, float] = {}
         try:
             with urllib.request.urlopen(url, timeout=5) as page:
                 text = page.read().decode()
-        except OSError:
+            families = list(text_string_to_metric_families(text))
+        except (OSError, ValueError, http.client.HTTPException):
             continue
-        for family in text_string_to_metric_families(text):
+        for family in families:
             for sample in family.samples:
                 for key, (name, labels) in READINGS.items():
                     if sample.name != name or any(
@@ -451,16 +455,31 @@ def read_metrics(urls: list[str]) -> dict[str, float]:
                         out[f"{key}@{bucket}"] = (
                             out.get(f"{key}@{bucket}", 0.0) + sample.value
                         )
-    return out
+        pages[url] = out
+    return pages
 
 
 def pipeline(
-    before: dict[str, float], after: dict[str, float], wall_s: float
+    before: dict[str, dict[str, float]],
+    after: dict[str, dict[str, float]],
+    wall_s: float,
 ) -> dict[str, Any]:
     """What the stack did in one step: batches and their rows (per length
     bucket), the share of the step the GPU spent computing (the engines'
-    event-timed compute stage), mean queue wait and batch latency."""
-    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    event-timed compute stage, summed over engines: up to their number),
+    mean queue wait and batch latency.
+
+    Only pages read both times count; a page whose counters went down is a
+    process restarted during the step, whose whole reading is the step's."""
+    d: dict[str, float] = {}
+    for url, now in after.items():
+        if url not in before:
+            continue
+        then = before[url]
+        if any(now.get(k, 0.0) < v for k, v in then.items()):
+            then = {}
+        for k, v in now.items():
+            d[k] = d.get(k, 0.0) + v - then.get(k, 0.0)
     if not d.get("batches"):
         return {}
 
@@ -471,7 +490,7 @@ def pipeline(
     return {
         "batches": int(d["batches"]),
         "rows_per_batch": round(d["rows"] / d["batches"], 2),
-        "gpu_busy": round(d.get("gpu_s", 0.0) / wall_s, 3),
+        "gpu_busy": round(d.get("gpu_s", 0.0) / wall_s, 3) if wall_s > 0 else 0.0,
         "gpu_ms_per_batch": mean_ms("gpu_s", "engine_batches"),
         "queue_wait_ms": mean_ms("queue_wait_s", "queued"),
         "batch_latency_ms": mean_ms("batch_latency_s", "answered"),
@@ -549,16 +568,18 @@ def run_step(
         ready.get(timeout=120)
     before = server_cpu(supervisor_pid)
     read_before = read_metrics(metrics or [])
-    began = time.monotonic()
-    start_at.value = began + 0.2
+    start_at.value = time.monotonic() + 0.2
     go.set()
     answers = [results.get() for _ in procs]
     after = server_cpu(supervisor_pid)
     read_after = read_metrics(metrics or [])
-    wall = time.monotonic() - began - 0.2
     for p in procs:
         p.join()
-    step = summarize(name, rate, [row for rows, _, _ in answers for row in rows])
+    every = [row for rows, _, _ in answers for row in rows]
+    step = summarize(name, rate, every)
+    # The step's wall time: from the common start to the last answer (not
+    # the clients' exit, nor the readings after).
+    wall = max((offset + latency for offset, latency, _, _ in every), default=0.0)
     step.cpu_s = cpu_by_role(before, after)
     step.cpu_s["clients"] = round(sum(cpu for _, cpu, _ in answers), 2)
     step.pipeline = pipeline(read_before, read_after, wall)
@@ -742,7 +763,9 @@ def profiles_of(args: argparse.Namespace) -> list[Profile]:
         for buckets in (args.buckets or "").split("/"):
             chosen.append(
                 Profile(
-                    f"custom {buckets}" if "/" in (args.buckets or "") else "custom",
+                    f"custom {buckets or 'default'}"
+                    if "/" in (args.buckets or "")
+                    else "custom",
                     "from --engines/--gateways/--batchers/--buckets/--env",
                     engines=args.engines or 0,
                     gateways=args.gateways or 0,
@@ -948,7 +971,11 @@ def main() -> int:
         steps = serve_and_measure(profile, args, repository, pool, rates)
         clean = [s for s in steps[:-1] if s.ok and (s.shed + s.errors) <= 0.01 * s.sent]
         best = max((s.throughput for s in clean), default=0.0)
-        results[profile.name] = {
+        key, n = profile.name, 1
+        while key in results:  # the same profile twice: each its own entry
+            n += 1
+            key = f"{profile.name} #{n}"
+        results[key] = {
             "profile": asdict(profile),
             "steps": [asdict(s) for s in steps],
             "served_best_throughput": best,

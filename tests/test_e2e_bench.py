@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
+from pathlib import Path
 
-from benchmarks.e2e import Plan, connection_targets
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+from benchmarks.e2e import Plan, connection_targets, pipeline, read_metrics
 
 
 def plan(client: int, spread: list[str], connections: int = 6) -> Plan:
@@ -31,3 +35,85 @@ def test_spread_connections_share_the_gateways_evenly() -> None:
     )
     assert sorted(counts.values()) == [3, 3, 4, 4, 4, 4, 4, 4]  # 30 over 8
     assert connection_targets(plan(0, gateways, connections=1)) == gateways[:1]
+
+
+def test_pipeline_reads_the_services_metrics_pages(tmp_path: Path) -> None:
+    """read_metrics and pipeline on real /metrics text (prometheus_client's
+    own exposition, the services' metric names), read through urllib."""
+    engine, batcher, gateway = (CollectorRegistry() for _ in range(3))
+    stage = Histogram(
+        "berth_engine_stage_seconds", "", ["model", "stage"], registry=engine
+    )
+    size = Histogram(
+        "berth_batcher_batch_size", "", ["model", "bucket"], registry=batcher
+    )
+    wait = Histogram(
+        "berth_batcher_queue_wait_seconds", "", ["model", "bucket"], registry=batcher
+    )
+    latency = Histogram(
+        "berth_batcher_batch_latency_seconds", "", ["model", "bucket"], registry=batcher
+    )
+    gw = Histogram(
+        "berth_gateway_stage_seconds", "", ["model", "stage"], registry=gateway
+    )
+    pages = {"engine": engine, "batcher": batcher, "gateway": gateway}
+
+    def read() -> dict[str, dict[str, float]]:
+        for name, registry in pages.items():
+            (tmp_path / name).write_bytes(generate_latest(registry))
+        urls = [(tmp_path / name).as_uri() for name in pages]
+        return read_metrics([*urls, (tmp_path / "gone").as_uri()])
+
+    def batch(bucket: str, rows: int, compute_s: float) -> None:
+        size.labels("m", bucket).observe(rows)
+        for _ in range(rows):
+            wait.labels("m", bucket).observe(0.004)
+        latency.labels("m", bucket).observe(0.002)
+        stage.labels("m", "compute").observe(compute_s)
+        stage.labels("m", "copy_in").observe(1.0)  # not compute: left out
+        gw.labels("m", "inference").observe(0.003)
+        gw.labels("m", "total").observe(0.005)
+        gw.labels("m", "tokenize").observe(1.0)
+
+    batch("32", 100, 5.0)  # before the step: not counted
+    before = read()
+    assert set(before) == {(tmp_path / name).as_uri() for name in pages}
+    batch("32", 4, 0.25)
+    batch("32", 2, 0.25)
+    batch("128", 3, 0.5)
+    step = pipeline(before, read(), wall_s=2.0)
+    assert step["batches"] == 3
+    assert step["rows_per_batch"] == 3.0  # (4 + 2 + 3) / 3
+    assert step["by_bucket"] == {
+        32: {"batches": 2, "rows_per_batch": 3.0},
+        128: {"batches": 1, "rows_per_batch": 3.0},
+    }
+    assert step["gpu_busy"] == 0.5  # 1.0 s of compute over 2 s
+    assert step["gpu_ms_per_batch"] == 333.333
+    assert step["queue_wait_ms"] == 4.0
+    assert step["batch_latency_ms"] == 2.0
+    assert step["gateway_inference_ms"] == 3.0
+    assert step["gateway_total_ms"] == 5.0
+    assert json.loads(json.dumps(step))["by_bucket"]["128"]["batches"] == 1
+
+    # Nothing batched (cache hits): no readout.
+    assert pipeline(read(), read(), wall_s=1.0) == {}
+
+    # The engine restarted during the step: its counters start again from
+    # zero, and its new reading is all the step's (not a negative one).
+    before = read()
+    engine.unregister(stage)
+    stage = Histogram(
+        "berth_engine_stage_seconds", "", ["model", "stage"], registry=engine
+    )
+    batch("32", 1, 0.5)
+    step = pipeline(before, read(), wall_s=1.0)
+    assert step["batches"] == 1
+    assert step["gpu_busy"] == 0.5
+
+    # A page read only after the step (its reading before failed) is left
+    # out, not counted from its process's start.
+    before = read()
+    del before[(tmp_path / "engine").as_uri()]
+    batch("32", 1, 0.5)
+    assert pipeline(before, read(), wall_s=1.0)["gpu_busy"] == 0.0
