@@ -640,6 +640,8 @@ class Profile:
     # Gateways also on ports of their own, the load's connections spread
     # over those (connection_targets) instead of sent to the shared port.
     spread: bool = False
+    # More `berth serve` flags, e.g. ["--batcher-mode", "inline"].
+    serve_args: list[str] = field(default_factory=list)
 
 
 PROFILES = {
@@ -727,6 +729,11 @@ def parse_args() -> argparse.Namespace:
         "are measured one after another",
     )
     custom.add_argument(
+        "--serve-args",
+        default="",
+        help='more `berth serve` flags, e.g. "--batcher-mode inline --idle-cpus spin"',
+    )
+    custom.add_argument(
         "--own-ports",
         action="store_true",
         help="connections spread over the gateways' own ports, as the spread profile",
@@ -758,6 +765,7 @@ def profiles_of(args: argparse.Namespace) -> list[Profile]:
         or args.buckets
         or args.env
         or args.own_ports
+        or args.serve_args
     ):
         # One custom profile per bucket set ("32,128,512/16,32,64,512": two).
         for buckets in (args.buckets or "").split("/"):
@@ -773,6 +781,7 @@ def profiles_of(args: argparse.Namespace) -> list[Profile]:
                     buckets=[int(b) for b in buckets.split(",")] if buckets else None,
                     env=dict(kv.split("=", 1) for kv in args.env),
                     spread=args.own_ports,
+                    serve_args=args.serve_args.split(),
                 )
             )
     return chosen
@@ -869,6 +878,7 @@ def serve_and_measure(
             gateways=gateways,
             batchers=profile.batchers or default_batchers(gateways),
             own_ports=profile.spread,
+            extra_args=profile.serve_args,
         )
         stack.wait_serving()
         address = stack.gateway
