@@ -28,8 +28,11 @@ $(VENV)/.installed: pyproject.toml setup.py protos/berth/v1/*.proto batcher/_cor
 models: $(REPO)/minilm/fallback.safetensors
 
 # The default models and their CPU fallbacks (the fallback is built last).
-$(REPO)/minilm/fallback.safetensors: $(VENV)/.installed
+# Rebuilt when their definition changes too (build-models rewrites only what
+# is out of date; touch: it may have found nothing to rewrite).
+$(REPO)/minilm/fallback.safetensors: $(VENV)/.installed services/default_models.py
 	$(BERTH) build-models --model-repository $(REPO)
+	touch $@
 
 run: venv models
 	$(BERTH) serve --model-repository $(REPO)
