@@ -665,6 +665,12 @@ def parse_args() -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--address", help="a running gateway (default: start one)")
+    parser.add_argument(
+        "--spread-over",
+        default="",
+        help="with --address: the gateways' own addresses (host:port,...; "
+        "`berth serve --gateway-own-port`), to spread the connections over",
+    )
     parser.add_argument("--model", default="minilm", help="embedding model to call")
     parser.add_argument(
         "--model-repository",
@@ -752,7 +758,10 @@ def parse_args() -> argparse.Namespace:
 
 def profiles_of(args: argparse.Namespace) -> list[Profile]:
     if args.address:
-        return [Profile("external", f"the gateway at {args.address}")]
+        over = (
+            f", connections spread over {args.spread_over}" if args.spread_over else ""
+        )
+        return [Profile("external", f"the gateway at {args.address}{over}")]
     chosen = []
     for name in filter(None, args.profiles.split(",")):
         if name not in PROFILES:
@@ -856,7 +865,7 @@ def serve_and_measure(
     """Phases 2 and 3 on one stack: the rate steps, then the cache hits."""
     stack = None
     address = args.address
-    spread: list[str] = []
+    spread = [a for a in args.spread_over.split(",") if a]
     metrics: list[str] = []
     if address is None:
         from tests.stack import Stack
