@@ -465,16 +465,18 @@ def pipeline(
     wall_s: float,
 ) -> dict[str, Any]:
     """What the stack did in one step: batches and their rows (per length
-    bucket), the share of the step the GPU spent computing (the engines'
-    event-timed compute stage, summed over engines: up to their number),
-    mean queue wait and batch latency.
+    bucket), the share of the step an engine's device spent computing (the
+    engines' event-timed compute stage, averaged over the engines that
+    computed), mean queue wait and batch latency.
 
     Only pages read both times count; a page whose counters went down is a
     process restarted during the step, whose whole reading is the step's."""
     d: dict[str, float] = {}
+    engines = 0
     for url, now in after.items():
         if url not in before:
             continue
+        engines += "engine_batches" in now
         then = before[url]
         if any(now.get(k, 0.0) < v for k, v in then.items()):
             then = {}
@@ -490,7 +492,11 @@ def pipeline(
     return {
         "batches": int(d["batches"]),
         "rows_per_batch": round(d["rows"] / d["batches"], 2),
-        "gpu_busy": round(d.get("gpu_s", 0.0) / wall_s, 3) if wall_s > 0 else 0.0,
+        "gpu_busy": (
+            round(d.get("gpu_s", 0.0) / wall_s / max(1, engines), 3)
+            if wall_s > 0
+            else 0.0
+        ),
         "gpu_ms_per_batch": mean_ms("gpu_s", "engine_batches"),
         "queue_wait_ms": mean_ms("queue_wait_s", "queued"),
         "batch_latency_ms": mean_ms("batch_latency_s", "answered"),

@@ -117,3 +117,29 @@ def test_pipeline_reads_the_services_metrics_pages(tmp_path: Path) -> None:
     del before[(tmp_path / "engine").as_uri()]
     batch("32", 1, 0.5)
     assert pipeline(before, read(), wall_s=1.0)["gpu_busy"] == 0.0
+
+
+def test_gpu_busy_is_each_engine_s_share(tmp_path: Path) -> None:
+    """Two engines computing 0.5 s each in a 1-s step: each was busy half the
+    step (not 1.0, the sum)."""
+    registries = [CollectorRegistry() for _ in range(3)]
+    engines = [
+        Histogram("berth_engine_stage_seconds", "", ["model", "stage"], registry=r)
+        for r in registries[:2]
+    ]
+    size = Histogram(
+        "berth_batcher_batch_size", "", ["model", "bucket"], registry=registries[2]
+    )
+
+    def read() -> dict[str, dict[str, float]]:
+        urls = []
+        for i, registry in enumerate(registries):
+            (tmp_path / str(i)).write_bytes(generate_latest(registry))
+            urls.append((tmp_path / str(i)).as_uri())
+        return read_metrics(urls)
+
+    before = read()
+    for engine in engines:
+        engine.labels("m", "compute").observe(0.5)
+        size.labels("m", "32").observe(4)
+    assert pipeline(before, read(), wall_s=1.0)["gpu_busy"] == 0.5
