@@ -90,17 +90,22 @@ def test_a_malformed_variable_is_named(name: str, raw: str, flag: str) -> None:
     assert flag in done.stderr, done.stderr
 
 
+def logging_python(code: str, level: str) -> subprocess.CompletedProcess[str]:
+    """``python -c code`` with BERTH_LOG_LEVEL=level."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env={**os.environ, "BERTH_LOG_LEVEL": level},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 def test_log_level(tmp_path: Path) -> None:
     def run(level: str) -> subprocess.CompletedProcess[str]:
         code = "from services.logs import setup_logging; setup_logging('x').info('hi')"
-        return subprocess.run(
-            [sys.executable, "-c", code],
-            cwd=ROOT,
-            env={**os.environ, "BERTH_LOG_LEVEL": level},
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        return logging_python(code, level)
 
     for level in ("", "info", " debug "):
         done = run(level)
@@ -123,15 +128,9 @@ def test_chatty_libraries_log_warnings_only_unless_debug(tmp_path: Path) -> None
             "logging.getLogger('onnx_ir.passes.common').warning('odd'); "
             "logging.getLogger('berth.x').info('ours')"
         )
-        return subprocess.run(
-            [sys.executable, "-c", code],
-            cwd=ROOT,
-            env={**os.environ, "BERTH_LOG_LEVEL": level},
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        ).stderr
+        done = logging_python(code, level)
+        assert done.returncode == 0, done.stderr
+        return done.stderr
 
     quiet = run("info")
     assert "ours" in quiet and "odd" in quiet and "dedup" not in quiet, quiet
