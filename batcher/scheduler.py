@@ -296,6 +296,10 @@ class ModelScheduler:
         for reply_id in group.ids:
             deliver(_error(reply_id, code, message))
 
+    def accepting(self) -> bool:
+        """Whether :meth:`submit` would queue work now (not refuse it)."""
+        return self._refusal() is None
+
     def _refusal(self) -> str | None:
         if self._stopped:
             return f"the batcher of {self.name!r} is shutting down"

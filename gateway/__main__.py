@@ -9,7 +9,7 @@ import logging
 from batcher.options import add_scheduler_flags, scheduler_config
 from gateway.batcher_client import BatcherClient, Batching
 from gateway.cache import ResponseCache
-from gateway.inline import InlineBatcher
+from gateway.inline import DirectWhenIdle, InlineBatcher
 from gateway.kserve import SERVICE_NAME as KSERVE_SERVICE
 from gateway.kserve import KServeService
 from gateway.service import BerthService, Gateway
@@ -53,7 +53,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "engines",
         "",
         "comma-separated engine addresses: batch in this process and stream to "
-        "them (no batcher process; --batcher is then unused)",
+        "them (no batcher process; --batcher is then unused, unless "
+        "--direct-when-idle)",
+    )
+    add_flag(
+        parser,
+        "direct-when-idle",
+        False,
+        "with --engines and --batcher both: requests go through the batcher, "
+        "except one that finds this gateway with nothing in flight, which is "
+        "batched here and sent straight to the engines (one hop fewer at low "
+        "load, the batchers' batches under load)",
     )
     add_flag(parser, "max-texts", 256, "most texts in one call")
     add_flag(parser, "max-in-flight", 1024, "requests in flight before shedding")
@@ -86,6 +96,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     gpu_buckets_flag(parser)
     add_scheduler_flags(parser)  # used when batching inline (--engines)
     args = parser.parse_args(argv)
+    if args.direct_when_idle and not args.engines:
+        parser.error(
+            "--direct-when-idle sends an idle gateway's requests straight to "
+            "the engines: it needs --engines too"
+        )
     if args.own_port and args.own_port == args.port:
         # Not left to the bind: it would blame "another process".
         parser.error(
@@ -165,10 +180,18 @@ async def main(args: argparse.Namespace) -> None:
     repository = load_repository(args.model_repository, gpu=args.gpu_buckets)
     engines = [a for a in args.engines.split(",") if a]
     batcher: Batching
-    if engines:
+    if engines and args.direct_when_idle:
+        batcher = DirectWhenIdle(
+            BatcherClient(args.batcher),
+            InlineBatcher(repository, engines, scheduler_config(args)),
+        )
+        route = f"batcher {args.batcher}; straight to engines {args.engines} when idle"
+    elif engines:
         batcher = InlineBatcher(repository, engines, scheduler_config(args))
+        route = f"batching inline to engines {args.engines}"
     else:
         batcher = BatcherClient(args.batcher)
+        route = f"batcher {args.batcher}"
     gateway = Gateway(
         repository,
         batcher,
@@ -197,9 +220,7 @@ async def main(args: argparse.Namespace) -> None:
         ", ".join(
             f"{n} ({e.task}, max {e.max_tokens} tokens)" for n, e in repository.items()
         ),
-        f"batching inline to engines {args.engines}"
-        if engines
-        else f"batcher {args.batcher}",
+        route,
     )
     batcher.start()
     health = asyncio.create_task(watch_health(server, gateway))

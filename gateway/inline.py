@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
 
 import grpc
 import numpy as np
@@ -23,8 +24,9 @@ import numpy as np
 from batcher.engines import EnginePool
 from batcher.scheduler import ModelScheduler, SchedulerConfig
 from batcher.service import describe
-from gateway.batcher_client import raise_first_failure, sequences
-from services.errors import from_code
+from gateway.batcher_client import BatcherClient, raise_first_failure, sequences
+from gateway.metrics import ROUTES
+from services.errors import DeadlineExceeded, EngineFailure, Unavailable, from_code
 from services.proto.berth.v1 import internal_pb2
 from services.repository import ModelEntry
 
@@ -84,6 +86,16 @@ class InlineBatcher:
     async def models(self) -> internal_pb2.BatcherModels:
         return describe(self.schedulers)
 
+    def can_take(self, model: str) -> bool:
+        """Whether a request for ``model`` would be batched at once: it has
+        a scheduler taking work, with an engine slot free."""
+        scheduler = self.schedulers.get(model)
+        return (
+            scheduler is not None
+            and scheduler.accepting()
+            and self.pool.pick(model) is not None
+        )
+
     async def run(
         self,
         model: str,
@@ -125,3 +137,80 @@ class InlineBatcher:
             raise
         raise_first_failure(results)
         return results
+
+
+class DirectWhenIdle:
+    """The batchers for the load; straight to the engines when idle.
+
+    ``python -m gateway --batcher A --engines B,C --direct-when-idle``
+    (``berth serve --batcher-mode hybrid``). A request that finds this
+    gateway with nothing else in flight has no one here to be batched with:
+    it is queued into the gateway's own schedulers (as when batching
+    inline), one hop fewer. Every other request goes to the batcher process,
+    where the gateways' traffic is batched together. At low load nearly
+    every request goes direct; under load nearly none does, so the engines
+    get the batchers' large batches, not many small ones from each gateway
+    (which is what costs inline batching its throughput).
+
+    The batcher stays the authority on the models' state: readiness and the
+    circuits are its. A direct attempt that finds no engine or fails on one
+    is sent through the batcher (which hedges and re-sends in its own way)
+    with what is left of its deadline, so going direct never loses a request
+    that the batcher would have answered.
+    """
+
+    def __init__(self, batcher: BatcherClient, direct: InlineBatcher) -> None:
+        self.batcher = batcher
+        self.direct = direct
+        self.ready = batcher.ready
+        self.in_flight = 0
+
+    @property
+    def connected(self) -> bool:
+        return self.batcher.connected
+
+    def start(self) -> None:
+        self.batcher.start()
+        self.direct.start()
+
+    async def close(self) -> None:
+        await self.direct.close()
+        await self.batcher.close()
+
+    async def models(self) -> internal_pb2.BatcherModels:
+        return await self.batcher.models()
+
+    async def run(
+        self,
+        model: str,
+        ids: list[np.ndarray],
+        timeout_ms: int,
+        trace_context: dict[str, str] | None = None,
+    ) -> list[internal_pb2.SequenceResult]:
+        """Run every sequence through the model; raises the first failure."""
+        direct = self.in_flight == 0 and self.direct.can_take(model)
+        ROUTES.labels(model, "direct" if direct else "batcher").inc()
+        self.in_flight += 1
+        try:
+            if direct:
+                began = time.monotonic()
+                try:
+                    return await self.direct.run(model, ids, timeout_ms, trace_context)
+                except (Unavailable, EngineFailure) as exc:
+                    ROUTES.labels(model, "retried").inc()
+                    log.info(
+                        "a direct batch of %s failed (%s): sent via the batcher",
+                        model,
+                        exc,
+                    )
+                    if timeout_ms:
+                        spent_ms = int((time.monotonic() - began) * 1000)
+                        if spent_ms >= timeout_ms:
+                            raise DeadlineExceeded(
+                                f"deadline passed while {model!r} was tried "
+                                f"directly on the engines ({exc})"
+                            ) from exc
+                        timeout_ms -= spent_ms
+            return await self.batcher.run(model, ids, timeout_ms, trace_context)
+        finally:
+            self.in_flight -= 1

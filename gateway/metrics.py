@@ -44,6 +44,16 @@ CACHE = Memo(
         ["model", "result"],
     )
 )
+# route: batcher; direct (an idle gateway's request, straight to the engines:
+# --direct-when-idle); retried (a direct one that failed there and went via
+# the batcher, counted as direct too)
+ROUTES = Memo(
+    Counter(
+        "berth_gateway_routes_total",
+        "Requests by the path they took to the engines",
+        ["model", "route"],
+    )
+)
 FALLBACKS = Memo(
     Counter(
         "berth_gateway_fallback_texts_total",

@@ -123,6 +123,28 @@ def default_engines(gpus: int) -> int:
     return max(1, min(4, cpus_available()))
 
 
+def gateway_route(
+    mode: str, batcher: str, engines: list[str], batching: tuple[str, ...]
+) -> tuple[str, ...]:
+    """A gateway's flags for how its requests reach the engines.
+
+    service: through ``batcher``; inline: batched in the gateway and
+    streamed to ``engines`` (``batching``: the scheduler flags); hybrid:
+    through the batcher, but straight to the engines when the gateway is
+    idle. Every flag is given in every mode (``--engines ""``,
+    ``--no-direct-when-idle``): a BERTH_ENGINES or BERTH_DIRECT_WHEN_IDLE
+    set where serve runs must not change a gateway's route.
+    """
+    if mode == "inline":
+        return ("--engines", ",".join(engines), "--no-direct-when-idle", *batching)
+    if mode == "hybrid":
+        return (
+            *("--batcher", batcher, "--engines", ",".join(engines)),
+            *("--direct-when-idle", *batching),
+        )
+    return ("--batcher", batcher, "--engines", "", "--no-direct-when-idle")
+
+
 def default_gateways(gpus: int) -> int:
     """Gateway processes: 1 on a CPU-only machine, where the engines need
     the cores; with GPUs, 5 per 8 cores (at most 12). The gateways are the
@@ -247,7 +269,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # Every check comes before the models are built: a first build (a GPU
     # export) takes minutes, and a bad flag should not wait for it.
     for flag, value, allowed in (
-        ("--batcher-mode", args.batcher_mode, ("service", "inline")),
+        ("--batcher-mode", args.batcher_mode, ("service", "inline", "hybrid")),
         ("--grpc-io", args.grpc_io, tuple(GRPC_IO)),
         ("--cpu-affinity", args.cpu_affinity, ("none", "spread")),
         ("--idle-cpus", args.idle_cpus, IDLE_CHOICES),
@@ -401,17 +423,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     args.host,
                     "--port",
                     str(args.port),
-                    *(
-                        ("--engines", ",".join(engine_addresses), *batching)
-                        if inline
-                        # --engines "" as well: a BERTH_ENGINES set where
-                        # serve runs must not make this gateway batch inline.
-                        else (
-                            "--batcher",
-                            batcher_addresses[i % batchers],
-                            "--engines",
-                            "",
-                        )
+                    *gateway_route(
+                        args.batcher_mode,
+                        batcher_addresses[i % batchers] if batchers else "",
+                        engine_addresses,
+                        batching,
                     ),
                     "--metrics-port",
                     metrics_port(name, 0 if i == 0 else 1 + engines + i),
@@ -454,7 +470,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
             f"GPUs {', '.join(devices)}" if gpus else args.device,
             "batching inline in each gateway"
             if inline
-            else f"{batchers} batcher(s) on {', '.join(batcher_addresses)}",
+            else f"{batchers} batcher(s) on {', '.join(batcher_addresses)}"
+            + (
+                " (an idle gateway's requests straight to the engines)"
+                if args.batcher_mode == "hybrid"
+                else ""
+            ),
             gateways,
             gateway
             + (
@@ -722,7 +743,10 @@ def build_parser() -> argparse.ArgumentParser:
         "service",
         "service: batcher processes between the gateways and the engines; "
         "inline: each gateway batches its own requests and streams to the "
-        "engines (one hop fewer; --batchers is then unused)",
+        "engines (one hop fewer; --batchers is then unused); hybrid: through "
+        "the batchers, except a request that finds its gateway idle, which "
+        "goes straight to the engines (inline's latency at low load, the "
+        "batchers' batches under load)",
     )
     add_flag(serve, "batcher-port", DEFAULT_BATCHER_PORT, "first batcher port")
     add_flag(serve, "engine-port", DEFAULT_ENGINE_PORT, "first engine port")

@@ -1,0 +1,140 @@
+"""`berth serve --batcher-mode hybrid`: a gateway's requests go through the
+batcher, except one that finds the gateway idle, which the gateway batches
+itself and sends straight to the engines (gateway.inline.DirectWhenIdle)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
+from tests.stack import Stack, free_ports, pid_listening
+from tests.test_gateways import service
+from tests.test_observability import scrape, value
+
+
+def route(name: str) -> str:
+    """The pattern of the gateway's count of requests that took ``name``."""
+    return rf'berth_gateway_routes_total\{{.*model="minilm".*route="{name}".*\}}'
+
+
+OK = r'berth_batcher_sequences_total\{.*model="minilm".*outcome="ok".*\}'
+
+
+@pytest.fixture(scope="module")
+def hybrid(repository: Path) -> Iterator[Stack]:
+    stack = Stack(
+        repository,
+        engines=2,
+        extra_args=["--batcher-mode", "hybrid", "--chaos"],
+        env={"BERTH_BREAKER_COOLDOWN_S": "1"},
+    )
+    try:
+        stack.wait_serving()
+        yield stack
+    finally:
+        code = stack.stop()
+        assert code == 0, f"berth serve exited with {code}:\n{stack.logs()}"
+
+
+def counts(stack: Stack) -> dict[str, float]:
+    """Routes taken (the gateway's /metrics) and sequences the batcher
+    process answered (its own /metrics)."""
+    gateway, batcher = scrape(stack.metrics[0]), scrape(stack.metrics[1])
+    found = {r: value(gateway, route(r)) for r in ("direct", "batcher")}
+    found["retried"] = value(gateway, route("retried"))
+    found["batcher process ok"] = value(batcher, OK)
+    return found
+
+
+def embed(stub: berth_pb2_grpc.BerthStub, text: str) -> berth_pb2.EmbedResponse:
+    return stub.Embed(berth_pb2.EmbedRequest(model="minilm", texts=[text]), timeout=60)
+
+
+def test_an_idle_gateways_requests_go_straight_to_the_engines(hybrid: Stack) -> None:
+    before = counts(hybrid)
+    with grpc.insecure_channel(hybrid.gateway) as channel:
+        stub = berth_pb2_grpc.BerthStub(channel)
+        for i in range(12):
+            assert not embed(stub, f"one at a time, number {i}").degraded
+    after = counts(hybrid)
+    assert after["direct"] - before["direct"] == 12
+    assert after["batcher"] == before["batcher"]
+    assert after["batcher process ok"] == before["batcher process ok"]
+
+
+def test_under_load_the_batcher_batches_and_answers_agree(
+    hybrid: Stack, client: berth_pb2_grpc.BerthStub
+) -> None:
+    texts = [f"concurrent text {i} " + "word " * (i % 7) for i in range(96)]
+    before = counts(hybrid)
+    with grpc.insecure_channel(hybrid.gateway) as channel:
+        stub = berth_pb2_grpc.BerthStub(channel)
+        with ThreadPoolExecutor(24) as pool:
+            answers = list(pool.map(lambda t: embed(stub, t), texts))
+    after = counts(hybrid)
+    direct = after["direct"] - before["direct"]
+    via_batcher = after["batcher"] - before["batcher"]
+    assert direct + via_batcher == len(texts)
+    # 24 callers at once: a request rarely finds its gateway idle.
+    assert via_batcher > len(texts) / 2, (direct, via_batcher)
+    assert after["batcher process ok"] - before["batcher process ok"] == via_batcher
+    # Both routes answer alike (the default stack's answers, cache aside).
+    want = client.Embed(
+        berth_pb2.EmbedRequest(model="minilm", texts=texts[:8]), timeout=60
+    )
+    for got, expected in zip(answers[:8], want.embeddings, strict=True):
+        assert not got.degraded
+        np.testing.assert_allclose(got.embeddings[0].values, expected.values, atol=1e-5)
+
+
+def test_a_failed_direct_batch_is_answered_via_the_batcher(
+    hybrid: Stack, repository: Path
+) -> None:
+    """A gateway sending direct to an engine that fails every batch (SIGUSR1
+    toggles --chaos's fault), and through the stack's batcher, which has a
+    healthy engine too: each failed direct attempt is answered via the
+    batcher, and no caller sees the failure or a fallback."""
+    failing = hybrid.engines[0]
+    engine = pid_listening("engine", int(failing.rsplit(":", 1)[1]))
+    (metrics_port,) = free_ports(1)
+    flags = (
+        *("--batcher", hybrid.batcher, "--engines", failing, "--direct-when-idle"),
+        *("--metrics-port", str(metrics_port)),
+    )
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with service("gateway", repository, *flags) as gateway:
+        gateway.wait_for("SERVING")
+        before = scrape(url)  # (its readiness probe went direct)
+        os.kill(engine, signal.SIGUSR1)
+        try:
+            with grpc.insecure_channel(gateway.address) as channel:
+                stub = berth_pb2_grpc.BerthStub(channel)
+                replies = [embed(stub, f"a failing engine, {i}") for i in range(6)]
+        finally:
+            os.kill(engine, signal.SIGUSR1)
+        found = scrape(url)
+        logs = gateway.logs()
+    assert not [r for r in replies if r.degraded]
+
+    def taken(name: str) -> float:
+        return value(found, route(name)) - value(before, route(name))
+
+    # Tried direct until the gateway's own circuit for it opened (3 failures).
+    assert 1 <= taken("retried") <= 3, logs
+    assert taken("direct") == taken("retried")
+    assert taken("batcher") == len(replies) - taken("retried")
+    assert "a direct batch of minilm failed" in logs
+
+
+def test_direct_when_idle_needs_engines(repository: Path) -> None:
+    with service("gateway", repository, "--direct-when-idle", "--engines", "") as g:
+        assert g.proc.wait(60) == 2
+        assert "--direct-when-idle sends an idle gateway's requests" in g.logs()
