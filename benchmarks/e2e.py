@@ -663,6 +663,13 @@ PROFILES = {
         "those, as a caller that balances its connections does",
         spread=True,
     ),
+    "hybrid": Profile(
+        "hybrid",
+        "as spread, with `--batcher-mode hybrid`: through the batchers, but a "
+        "request that finds its gateway idle goes straight to the engines",
+        spread=True,
+        serve_args=["--batcher-mode", "hybrid"],
+    ),
 }
 
 

@@ -10,6 +10,7 @@ left between the stages is the gRPC hops and the hand-offs around them.
     python benchmarks/latency.py --model bert-base \
         --model-repository build/e2e/bert-base   # scripts/gpu_run.sh builds it
     python benchmarks/latency.py --batcher-mode inline   # no batcher process
+    python benchmarks/latency.py --batcher-mode hybrid   # direct when idle
     python benchmarks/latency.py --idle-cpus spin        # idle CPUs never halt
 """
 
@@ -72,9 +73,10 @@ def main() -> None:
     parser.add_argument("--batchers", type=int, default=1)
     parser.add_argument(
         "--batcher-mode",
-        choices=("service", "inline"),
+        choices=("service", "inline", "hybrid"),
         default="service",
-        help="inline: each gateway batches itself (no batcher process)",
+        help="inline: each gateway batches itself (no batcher process); "
+        "hybrid: through the batchers, straight to the engines when idle",
     )
     parser.add_argument("--cpu-affinity", choices=("none", "spread"), default="none")
     parser.add_argument(
@@ -118,11 +120,10 @@ def main() -> None:
     finally:
         stack.stop()
     latencies.sort()
-    batching = (
-        "batching inline"
-        if args.batcher_mode == "inline"
-        else f"{args.batchers} batcher(s)"
-    )
+    batching = {
+        "inline": "batching inline",
+        "hybrid": f"{args.batchers} batcher(s), direct when idle",
+    }.get(args.batcher_mode, f"{args.batchers} batcher(s)")
     print(
         f"{args.model}, {args.calls} sequential single-text Embed calls, "
         f"{args.gateways} gateway(s), {batching}, CPU affinity {args.cpu_affinity}, "
