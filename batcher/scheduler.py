@@ -610,9 +610,15 @@ class ModelScheduler:
         pending = set(attempts)
         error: BaseException | None = None
         while pending:
-            done, pending = await asyncio.wait(
-                pending, return_when=asyncio.FIRST_COMPLETED
-            )
+            # Most often the attempt is over already (_hedged waited for it):
+            # asyncio.wait would still take two turns of the event loop.
+            done = {task for task in pending if task.done()}
+            if done:
+                pending -= done
+            else:
+                done, pending = await asyncio.wait(
+                    pending, return_when=asyncio.FIRST_COMPLETED
+                )
             for task in done:
                 if task.exception() is None:
                     if first in pending:  # the hedge won the race
