@@ -654,7 +654,8 @@ PROFILES = {
     "stock": Profile(
         "stock",
         "`berth serve` as shipped (CPU: 1 engine per core, 1 gateway; "
-        "GPU: 1 engine per GPU, 5 gateways per 8 cores, 1 batcher per 4 gateways)",
+        "GPU: 1 engine per GPU, 5 gateways per 8 cores, 1 batcher per 4 gateways, "
+        "hybrid batching)",
     ),
     "spread": Profile(
         "spread",
@@ -665,10 +666,18 @@ PROFILES = {
     ),
     "hybrid": Profile(
         "hybrid",
-        "as spread, with `--batcher-mode hybrid`: through the batchers, but a "
-        "request that finds its gateway idle goes straight to the engines",
+        "as spread, with `--batcher-mode hybrid` (the GPU default): through the "
+        "batchers, but a request that finds its gateway idle goes straight to "
+        "the engines",
         spread=True,
         serve_args=["--batcher-mode", "hybrid"],
+    ),
+    "service": Profile(
+        "service",
+        "as spread, with `--batcher-mode service` (the CPU default): every "
+        "request through the batchers",
+        spread=True,
+        serve_args=["--batcher-mode", "service"],
     ),
 }
 

@@ -14,6 +14,7 @@ import grpc
 import numpy as np
 import pytest
 
+from services.cli import batcher_mode, gateway_route
 from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
 from tests.stack import Stack, free_ports, pid_listening
 from tests.test_gateways import service
@@ -138,3 +139,24 @@ def test_direct_when_idle_needs_engines(repository: Path) -> None:
     with service("gateway", repository, "--direct-when-idle", "--engines", "") as g:
         assert g.proc.wait(60) == 2
         assert "--direct-when-idle sends an idle gateway's requests" in g.logs()
+
+
+def test_serve_batches_hybrid_on_gpus_and_through_batchers_on_cpus() -> None:
+    assert batcher_mode("auto", gpus=1) == "hybrid"
+    assert batcher_mode("auto", gpus=0) == "service"
+    assert batcher_mode("inline", gpus=1) == "inline"
+    engines = ["127.0.0.1:1", "127.0.0.1:2"]
+    hybrid = gateway_route("hybrid", "127.0.0.1:9", engines, ())
+    assert hybrid == (
+        *("--batcher", "127.0.0.1:9", "--engines", "127.0.0.1:1,127.0.0.1:2"),
+        "--direct-when-idle",
+    )
+    # Every mode sets every flag: a BERTH_* variable cannot change the route.
+    service_flags = gateway_route("service", "127.0.0.1:9", engines, ())
+    assert service_flags[-3:] == ("--engines", "", "--no-direct-when-idle")
+    inline_flags = gateway_route("inline", "", engines, ("--max-delay-ms", "50"))
+    assert inline_flags[:3] == (
+        "--engines",
+        "127.0.0.1:1,127.0.0.1:2",
+        "--no-direct-when-idle",
+    )
