@@ -234,8 +234,17 @@ Examples = dict[str, str]
 
 
 def client_main(plan: Plan, ready: Any, go: Any, start_at: Any, results: Any) -> None:
-    """A client process: one asyncio loop, one channel, open-loop sends."""
-    results.put(asyncio.run(_client(plan, ready, go, start_at)))
+    """A client process: one event loop, its channels, open-loop sends.
+
+    It moves messages as berth's services do (`berth serve`'s defaults):
+    on uvloop, with gRPC's pollers doing the I/O (a GRPC_EXPERIMENTS or
+    BERTH_EVENT_LOOP=asyncio set where e2e.py runs wins). On one machine
+    the load generator's CPU is taken from the stack it measures."""
+    from services.cli import GRPC_IO
+    from services.loop import run
+
+    os.environ.setdefault("GRPC_EXPERIMENTS", GRPC_IO["poller"])
+    results.put(run(_client(plan, ready, go, start_at)))
 
 
 async def _client(
