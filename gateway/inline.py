@@ -64,7 +64,7 @@ class InlineBatcher:
         if not self.ready.is_set() and all(
             self.pool.serving(name) for name in self.schedulers
         ):
-            log.info("every model has an engine: batching inline")
+            log.info("every model has an engine: batching in this gateway")
             self.ready.set()
 
     def start(self) -> None:
