@@ -320,12 +320,18 @@ async def _stream_load(
 ) -> None:
     """The same arrivals as single-text requests on berth's bidi Stream: one
     stream per connection, each request written at its time, answers matched
-    by request_id as they come (out of order)."""
+    by request_id as they come (out of order).
+
+    Each stream has a writer task of its own: a gRPC stream takes one write
+    at a time, and a write waits for its completion, so one sender awaiting
+    each write in turn held every connection's requests behind the slowest
+    write, and its lag counted as the server's latency."""
     from services.proto.berth.v1 import berth_pb2
 
     timeout = plan.offsets[-1] + plan.deadline_s + 30 if plan.offsets else None
     calls = [stub.Stream(timeout=timeout) for stub in stubs]
     sent_at: dict[int, tuple[float, float]] = {}  # request_id -> (due, sent)
+    Outgoing = tuple[int, float, Any] | None  # (request_id, due, request)
 
     async def read(call: Any) -> None:
         async for response in call:
@@ -337,8 +343,20 @@ async def _stream_load(
             due, sent = sent_at.pop(request_id)
             out.append((due - t0, time.monotonic() - due, sent - due, code))
 
+    async def write(call: Any, outbox: asyncio.Queue[Outgoing]) -> None:
+        while (item := await outbox.get()) is not None:
+            request_id, due, request = item
+            sent_at[request_id] = (due, time.monotonic())
+            await call.write(request)
+        await call.done_writing()
+
+    outboxes: list[asyncio.Queue[Outgoing]] = [asyncio.Queue() for _ in calls]
     readers = [asyncio.create_task(read(call)) for call in calls]
-    turn = itertools.cycle(calls)
+    writers = [
+        asyncio.create_task(write(call, outbox))
+        for call, outbox in zip(calls, outboxes, strict=True)
+    ]
+    turn = itertools.cycle(outboxes)
     for request_id, (text, offset) in enumerate(
         zip(plan.texts, plan.offsets, strict=True), start=1
     ):
@@ -346,16 +364,18 @@ async def _stream_load(
         delay = due - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
-        sent_at[request_id] = (due, time.monotonic())
-        await next(turn).write(
-            berth_pb2.StreamRequest(
-                embed=berth_pb2.EmbedRequest(
-                    model=plan.model, texts=[text], request_id=request_id
-                )
+        request = berth_pb2.StreamRequest(
+            embed=berth_pb2.EmbedRequest(
+                model=plan.model, texts=[text], request_id=request_id
             )
         )
-    for call in calls:
-        await call.done_writing()
+        # (Sent when its writer takes it; until then, from its due time: a
+        # request the stream ends before is still counted, LOST.)
+        sent_at[request_id] = (due, due)
+        next(turn).put_nowait((request_id, due, request))
+    for outbox in outboxes:
+        outbox.put_nowait(None)
+    await asyncio.gather(*writers)
     await asyncio.gather(*readers)
     for due, sent in sent_at.values():  # the stream ended without an answer
         out.append((due - t0, time.monotonic() - due, sent - due, "LOST"))

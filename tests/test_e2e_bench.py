@@ -1,14 +1,18 @@
-"""benchmarks/e2e.py's load generator: where its connections go."""
+"""benchmarks/e2e.py's load generator: where its connections go, what it
+reads from the services' metrics, and a short Stream load run for real."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from benchmarks.e2e import Plan, connection_targets, pipeline, read_metrics
+from tests.stack import ROOT, Stack
 
 
 def plan(client: int, spread: list[str], connections: int = 6) -> Plan:
@@ -143,3 +147,30 @@ def test_gpu_busy_is_each_engine_s_share(tmp_path: Path) -> None:
         engine.labels("m", "compute").observe(0.5)
         size.labels("m", "32").observe(4)
     assert pipeline(before, read(), wall_s=1.0)["gpu_busy"] == 0.5
+
+
+def test_stream_load_answers_every_request_over_several_streams(
+    stack: Stack, repository: Path, tmp_path: Path
+) -> None:
+    """The Stream load, run for real: each connection's stream has its own
+    writer, every request is answered once, and the step counts them all."""
+    out = tmp_path / "e2e.json"
+    done = subprocess.run(
+        [
+            *(sys.executable, "benchmarks/e2e.py", "--address", stack.gateway),
+            *("--model-repository", str(repository), "--model", "minilm"),
+            *("--api", "stream", "--rps", "150", "--duration", "1"),
+            *("--max-requests", "150", "--clients", "1", "--connections", "3"),
+            *("--offline-throughput", "100", "--out", str(out)),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    steps = json.loads(out.read_text())["profiles"]["external"]["steps"]
+    assert [s["name"] for s in steps] == ["served 1", "cache hits"]
+    for step in steps:
+        assert step["sent"] == step["ok"] == 150, step
+        assert step["errors"] == 0 and not step["error_codes"], step
