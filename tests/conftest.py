@@ -12,7 +12,7 @@ import pytest
 
 from services.proto.berth.v1 import berth_pb2_grpc
 from services.repository import ModelEntry
-from tests.stack import Stack
+from tests.stack import Stack, serving
 
 
 @pytest.fixture(scope="session")
@@ -31,13 +31,8 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def stack(repository: Path) -> Iterator[Stack]:
     """`berth serve` with the default models, shared by the e2e tests."""
-    s = Stack(repository)
-    try:
-        s.wait_serving()
+    with serving(Stack(repository)) as s:
         yield s
-    finally:
-        code = s.stop()
-        assert code == 0, f"berth serve exited with {code}:\n{s.logs()}"
 
 
 @pytest.fixture(scope="session")

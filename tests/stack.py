@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -224,3 +225,15 @@ def stream_raw(
         except grpc.RpcError as exc:
             error = exc
     return answers, error, time.monotonic() - t0
+
+
+@contextlib.contextmanager
+def serving(stack: Stack, timeout: float = 180.0) -> Iterator[Stack]:
+    """``stack`` once its gateway serves; stopped after, and the block fails
+    if `berth serve` did not exit cleanly (its log in the message)."""
+    try:
+        stack.wait_serving(timeout)
+        yield stack
+    finally:
+        code = stack.stop()
+        assert code == 0, f"berth serve exited with {code}:\n{stack.logs()}"

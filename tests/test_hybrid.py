@@ -16,7 +16,7 @@ import pytest
 
 from services.cli import batcher_mode, gateway_route
 from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
-from tests.stack import Stack, free_ports, pid_listening
+from tests.stack import Stack, free_ports, pid_listening, serving
 from tests.test_gateways import service
 from tests.test_observability import scrape, value
 
@@ -37,12 +37,8 @@ def hybrid(repository: Path) -> Iterator[Stack]:
         extra_args=["--batcher-mode", "hybrid", "--chaos"],
         env={"BERTH_BREAKER_COOLDOWN_S": "1"},
     )
-    try:
-        stack.wait_serving()
+    with serving(stack):
         yield stack
-    finally:
-        code = stack.stop()
-        assert code == 0, f"berth serve exited with {code}:\n{stack.logs()}"
 
 
 def counts(stack: Stack) -> dict[str, float]:

@@ -20,7 +20,7 @@ from services.cli import GRPC_IO, set_grpc_io
 from services.idle import cpu_quota
 from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
 from services.supervisor import Child, plan_cpus
-from tests.stack import Stack, children, pid_listening
+from tests.stack import Stack, children, pid_listening, serving
 from tests.test_gateways import CANCELLED, cancel_behind_a_stalled_engine
 from tests.test_observability import scrape, value
 
@@ -44,8 +44,7 @@ def inline(repository: Path) -> Iterator[Stack]:
         ],
     )
     spinning: list[int] = []
-    try:
-        stack.wait_serving()
+    with serving(stack):
         # Health on the shared port answers from one gateway; wait for both
         # (one still connecting to the engines would answer from the fallback).
         deadline = time.monotonic() + 120
@@ -54,9 +53,6 @@ def inline(repository: Path) -> Iterator[Stack]:
             time.sleep(0.2)
         spinning += spinner_pids(stack)
         yield stack
-    finally:
-        code = stack.stop()
-        assert code == 0, f"berth serve exited with {code}:\n{stack.logs()}"
     # serve stops its spinners last, with everything else.
     assert not [pid for pid in spinning if Path(f"/proc/{pid}").exists()]
 
