@@ -4,6 +4,7 @@ itself and sends straight to the engines (gateway.inline.DirectWhenIdle)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ import pytest
 
 from services.cli import batcher_mode, gateway_route
 from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
+from tests.chaos.load import LoadResult, run_load
 from tests.stack import Stack, free_ports, pid_listening, serving
 from tests.test_gateways import service
 from tests.test_observability import scrape, value
@@ -156,3 +158,31 @@ def test_serve_batches_hybrid_on_gpus_and_through_batchers_on_cpus() -> None:
         "127.0.0.1:1,127.0.0.1:2",
         "--no-direct-when-idle",
     )
+
+
+def test_an_engine_killed_mid_run_loses_no_direct_request(hybrid: Stack) -> None:
+    """One caller, one call at a time, so requests go direct, and one
+    engine SIGKILLed under it: every request is answered OK (a direct
+    batch on the dead engine is re-sent to the other, by the gateway's
+    scheduler or via the batcher), and serve restarts the engine. (Last in
+    this module: the stack's engine 0 is a new process after it.)"""
+    victim = pid_listening("engine", int(hybrid.engines[0].rsplit(":", 1)[1]))
+    before = counts(hybrid)
+
+    async def scenario() -> LoadResult:
+        load = asyncio.create_task(
+            run_load(hybrid.gateway, requests=800, concurrency=1)
+        )
+        await asyncio.sleep(2.0)
+        os.kill(victim, signal.SIGKILL)
+        return await load
+
+    result = asyncio.run(scenario())
+    print(result.summary("hybrid, SIGKILL one engine"))
+    after = counts(hybrid)
+    assert result.sent == 800
+    assert result.answered == result.sent, "requests were lost"
+    assert result.outcomes["OK"] == result.sent, result.summary("hybrid")
+    assert result.degraded <= 3, result.summary("hybrid")  # (no batch failed)
+    assert after["direct"] - before["direct"] > 600  # the direct route was in use
+    assert "engine-0 exited with code -9; restarting" in hybrid.logs(None)
