@@ -86,15 +86,20 @@ class InlineBatcher:
     async def models(self) -> internal_pb2.BatcherModels:
         return describe(self.schedulers)
 
+    def any_engine(self) -> bool:
+        """Whether some model has an engine connected."""
+        return any(self.pool.serving(name) for name in self.schedulers)
+
+    def accepts(self, model: str) -> bool:
+        """Whether ``model`` has a scheduler here taking work (an engine
+        connected, its circuit not open), a slot free or not."""
+        scheduler = self.schedulers.get(model)
+        return scheduler is not None and scheduler.accepting()
+
     def can_take(self, model: str) -> bool:
         """Whether a request for ``model`` would be batched at once: it has
         a scheduler taking work, with an engine slot free."""
-        scheduler = self.schedulers.get(model)
-        return (
-            scheduler is not None
-            and scheduler.accepting()
-            and self.pool.pick(model) is not None
-        )
+        return self.accepts(model) and self.pool.pick(model) is not None
 
     async def run(
         self,
@@ -152,11 +157,17 @@ class DirectWhenIdle:
     get the batchers' large batches, not many small ones from each gateway
     (which is what costs inline batching its throughput).
 
-    The batcher stays the authority on the models' state: readiness and the
-    circuits are its. A direct attempt that finds no engine or fails on one
-    is sent through the batcher (which hedges and re-sends in its own way)
-    with what is left of its deadline, so going direct never loses a request
-    that the batcher would have answered.
+    While the batcher is connected it is the authority on the models'
+    state: readiness and the circuits are its. A direct attempt that finds
+    no engine or fails on one is sent through the batcher (which hedges and
+    re-sends in its own way) with what is left of its deadline, so going
+    direct never loses a request that the batcher would have answered.
+
+    While the batcher is unreachable (it crashed; `berth serve` restarts it
+    in seconds) every request goes straight to the engines, and a request
+    the batcher's stream took down with it is sent there again: the gateway
+    batches inline until the batcher is back, instead of answering from the
+    CPU fallback.
     """
 
     def __init__(self, batcher: BatcherClient, direct: InlineBatcher) -> None:
@@ -164,10 +175,12 @@ class DirectWhenIdle:
         self.direct = direct
         self.ready = batcher.ready
         self.in_flight = 0
+        self._batcher_was_up = True  # (a first request before it connects: said)
 
     @property
     def connected(self) -> bool:
-        return self.batcher.connected
+        """Requests can reach an engine: through the batcher, or directly."""
+        return self.batcher.connected or self.direct.any_engine()
 
     def start(self) -> None:
         self.batcher.start()
@@ -178,7 +191,12 @@ class DirectWhenIdle:
         await self.batcher.close()
 
     async def models(self) -> internal_pb2.BatcherModels:
-        return await self.batcher.models()
+        """The batcher's view of the models; the gateway's own schedulers'
+        while the batcher is unreachable."""
+        if self.batcher.connected:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                return await self.batcher.models()
+        return await self.direct.models()
 
     async def run(
         self,
@@ -188,12 +206,16 @@ class DirectWhenIdle:
         trace_context: dict[str, str] | None = None,
     ) -> list[internal_pb2.SequenceResult]:
         """Run every sequence through the model; raises the first failure."""
+        self._note_batcher()
+        if not self.batcher.connected:
+            ROUTES.labels(model, "direct_batcher_down").inc()
+            return await self.direct.run(model, ids, timeout_ms, trace_context)
         direct = self.in_flight == 0 and self.direct.can_take(model)
         ROUTES.labels(model, "direct" if direct else "batcher").inc()
+        began = time.monotonic()
         self.in_flight += 1
         try:
             if direct:
-                began = time.monotonic()
                 try:
                     return await self.direct.run(model, ids, timeout_ms, trace_context)
                 except (Unavailable, EngineFailure) as exc:
@@ -203,14 +225,41 @@ class DirectWhenIdle:
                         model,
                         exc,
                     )
-                    if timeout_ms:
-                        spent_ms = int((time.monotonic() - began) * 1000)
-                        if spent_ms >= timeout_ms:
-                            raise DeadlineExceeded(
-                                f"deadline passed while {model!r} was tried "
-                                f"directly on the engines ({exc})"
-                            ) from exc
-                        timeout_ms -= spent_ms
-            return await self.batcher.run(model, ids, timeout_ms, trace_context)
+                    timeout_ms = _left(timeout_ms, began, model, exc)
+            try:
+                return await self.batcher.run(model, ids, timeout_ms, trace_context)
+            except Unavailable as exc:
+                if self.batcher.connected or not self.direct.accepts(model):
+                    raise  # (the batcher's own answer, or no engine either)
+                # The batcher's stream went down with this request on it.
+                ROUTES.labels(model, "direct_batcher_down").inc()
+                timeout_ms = _left(timeout_ms, began, model, exc)
+                return await self.direct.run(model, ids, timeout_ms, trace_context)
         finally:
             self.in_flight -= 1
+
+    def _note_batcher(self) -> None:
+        """Say when the route changes because the batcher came or went."""
+        up = self.batcher.connected
+        if up != self._batcher_was_up:
+            self._batcher_was_up = up
+            if up:
+                log.info("batcher connected: requests go through it again")
+            else:
+                log.warning(
+                    "batcher unreachable: every request goes straight to the "
+                    "engines until it is back"
+                )
+
+
+def _left(timeout_ms: int, began: float, model: str, exc: Exception) -> int:
+    """What is left of a request's deadline (0: none) for a second try;
+    DeadlineExceeded when nothing is."""
+    if not timeout_ms:
+        return 0
+    spent_ms = int((time.monotonic() - began) * 1000)
+    if spent_ms >= timeout_ms:
+        raise DeadlineExceeded(
+            f"deadline passed while {model!r} was tried ({exc})"
+        ) from exc
+    return timeout_ms - spent_ms

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -158,6 +159,45 @@ def test_serve_batches_hybrid_on_gpus_and_through_batchers_on_cpus() -> None:
         "127.0.0.1:1,127.0.0.1:2",
         "--no-direct-when-idle",
     )
+
+
+def test_while_the_batcher_is_down_requests_go_straight_to_the_engines(
+    hybrid: Stack,
+) -> None:
+    """The batcher SIGKILLed under 8 callers (whose requests went through
+    it): what was on its stream and what comes until serve has restarted it
+    go straight to the engines; nothing is lost, nothing falls back to the
+    CPU model, and afterwards requests go through the batcher again."""
+    batcher = pid_listening("batcher", int(hybrid.batcher.rsplit(":", 1)[1]))
+    before = counts(hybrid)
+
+    async def scenario() -> LoadResult:
+        load = asyncio.create_task(
+            run_load(hybrid.gateway, requests=1200, concurrency=8)
+        )
+        await asyncio.sleep(1.5)
+        os.kill(batcher, signal.SIGKILL)
+        return await load
+
+    result = asyncio.run(scenario())
+    print(result.summary("hybrid, SIGKILL the batcher"))
+    assert result.answered == result.sent == 1200, "requests were lost"
+    assert result.outcomes["OK"] == result.sent, result.summary("hybrid")
+    assert result.degraded == 0, result.summary("hybrid")
+    found = scrape(hybrid.metrics[0])
+    assert value(found, route("direct_batcher_down")) > 0
+    logs = hybrid.logs(None)
+    assert "batcher exited with code -9; restarting" in logs
+    assert "batcher unreachable: every request goes straight to the engines" in logs
+    # Back through the batcher once it is up again.
+    deadline = time.monotonic() + 60
+    while "batcher connected: requests go through it again" not in hybrid.logs(None):
+        assert time.monotonic() < deadline, hybrid.logs()
+        asyncio.run(run_load(hybrid.gateway, requests=8, concurrency=8))
+    middle = counts(hybrid)
+    asyncio.run(run_load(hybrid.gateway, requests=200, concurrency=8))
+    assert counts(hybrid)["batcher"] - middle["batcher"] > 100
+    assert before["batcher"] < middle["batcher"]
 
 
 def test_an_engine_killed_mid_run_loses_no_direct_request(hybrid: Stack) -> None:
