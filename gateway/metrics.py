@@ -46,7 +46,9 @@ CACHE = Memo(
 )
 # route: batcher; direct (an idle gateway's request, straight to the engines:
 # --direct-when-idle); retried (a direct one that failed there and went via
-# the batcher, counted as direct too)
+# the batcher, counted as direct too); direct_batcher_down (straight to the
+# engines because the batcher was unreachable, or its stream went down with
+# the request)
 ROUTES = Memo(
     Counter(
         "berth_gateway_routes_total",
