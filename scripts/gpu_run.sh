@@ -17,8 +17,9 @@
 #                      "bert-base:unary bert-base:stream minilm:unary");
 #                      E2E_ARGS replaces its other arguments
 #   latency.log        benchmarks/latency.py: a request's time by hop at low
-#                      load, BERT-base, 1 gateway + 1 batcher, then the defaults,
-#                      each with a batcher process and batching inline
+#                      load, BERT-base, serve's default gateways and 2 batchers,
+#                      batching hybrid (serve's GPU default), through the
+#                      batchers only, and inline
 #                      (LATENCY_ARGS adds arguments, e.g. "--cpu-affinity spread"),
 #                      each layout with idle CPUs halting and spinning
 #                      (LATENCY_IDLE, default "sleep spin": --idle-cpus;
@@ -94,8 +95,9 @@ if [[ " $STAGES " == *" e2e "* || " $STAGES " == *" latency "* ]]; then
 fi
 
 if [[ " $STAGES " == *" latency "* ]]; then
-  many=$(( $(nproc) / 2 > 8 ? 8 : $(nproc) / 2 ))
-  for layout in ${LATENCY_LAYOUTS:-1:1:service 1:1:inline $many:2:service $many:2:inline}; do
+  # As many gateways as `berth serve` starts beside a GPU (10 on 16 cores).
+  many=$($PY -c "from services.cli import default_gateways; print(default_gateways(1))")
+  for layout in ${LATENCY_LAYOUTS:-$many:2:hybrid $many:2:service $many:2:inline}; do
     IFS=: read -r -a parts <<< "$layout"  # gateways:batchers:mode
     if ((${#parts[@]} != 3)); then
       # (with set -u, a missing $3 below would end the whole script)
