@@ -18,7 +18,7 @@ import pytest
 
 from services.cli import batcher_mode, gateway_route
 from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
-from tests.chaos.load import LoadResult, run_load
+from tests.chaos.load import run_load, run_load_while
 from tests.stack import Stack, free_ports, pid_listening, serving
 from tests.test_gateways import service
 from tests.test_observability import scrape, value
@@ -171,15 +171,9 @@ def test_while_the_batcher_is_down_requests_go_straight_to_the_engines(
     batcher = pid_listening("batcher", int(hybrid.batcher.rsplit(":", 1)[1]))
     before = counts(hybrid)
 
-    async def scenario() -> LoadResult:
-        load = asyncio.create_task(
-            run_load(hybrid.gateway, requests=1200, concurrency=8)
-        )
-        await asyncio.sleep(1.5)
-        os.kill(batcher, signal.SIGKILL)
-        return await load
-
-    result = asyncio.run(scenario())
+    result = run_load_while(
+        hybrid.gateway, 1200, 8, (1.5, lambda: os.kill(batcher, signal.SIGKILL))
+    )
     print(result.summary("hybrid, SIGKILL the batcher"))
     assert result.answered == result.sent == 1200, "requests were lost"
     assert result.outcomes["OK"] == result.sent, result.summary("hybrid")
@@ -209,15 +203,9 @@ def test_an_engine_killed_mid_run_loses_no_direct_request(hybrid: Stack) -> None
     victim = pid_listening("engine", int(hybrid.engines[0].rsplit(":", 1)[1]))
     before = counts(hybrid)
 
-    async def scenario() -> LoadResult:
-        load = asyncio.create_task(
-            run_load(hybrid.gateway, requests=800, concurrency=1)
-        )
-        await asyncio.sleep(2.0)
-        os.kill(victim, signal.SIGKILL)
-        return await load
-
-    result = asyncio.run(scenario())
+    result = run_load_while(
+        hybrid.gateway, 800, 1, (2.0, lambda: os.kill(victim, signal.SIGKILL))
+    )
     print(result.summary("hybrid, SIGKILL one engine"))
     after = counts(hybrid)
     assert result.sent == 800

@@ -6,7 +6,9 @@ import asyncio
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import numpy as np
@@ -96,3 +98,24 @@ async def run_load(
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return result
+
+
+def run_load_while(
+    address: str,
+    requests: int,
+    concurrency: int,
+    *events: tuple[float, Callable[[], None]],
+    **options: Any,
+) -> LoadResult:
+    """:func:`run_load`, with each ``(delay, action)`` of ``events`` done
+    ``delay`` seconds after the one before it (the first after the load
+    starts): a signal to a process, say. ``options`` go to run_load."""
+
+    async def scenario() -> LoadResult:
+        load = asyncio.create_task(run_load(address, requests, concurrency, **options))
+        for delay, action in events:
+            await asyncio.sleep(delay)
+            action()
+        return await load
+
+    return asyncio.run(scenario())

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.load import run_load
+from tests.chaos.load import run_load, run_load_while
 from tests.stack import Stack, pid_listening
 
 
@@ -50,22 +50,12 @@ def metric(url: str, pattern: str) -> float:
     return total
 
 
-async def later(delay: float, action) -> None:  # type: ignore[no-untyped-def]
-    await asyncio.sleep(delay)
-    action()
-
-
 def test_engine_killed_mid_run_loses_nothing(fleet: Stack) -> None:
     victim = engine_pid(fleet, 0)
 
-    async def scenario():  # type: ignore[no-untyped-def]
-        load = asyncio.create_task(
-            run_load(fleet.gateway, requests=10_000, concurrency=32)
-        )
-        await later(3.0, lambda: os.kill(victim, signal.SIGKILL))
-        return await load
-
-    result = asyncio.run(scenario())
+    result = run_load_while(
+        fleet.gateway, 10_000, 32, (3.0, lambda: os.kill(victim, signal.SIGKILL))
+    )
     print(result.summary("SIGKILL one engine"))
     assert result.sent == 10_000
     assert result.answered == result.sent, "requests were lost"
@@ -93,15 +83,13 @@ def test_stalled_engine_is_hedged_around(fleet: Stack) -> None:
     )
     victim = engine_pid(fleet, 1)
 
-    async def scenario():  # type: ignore[no-untyped-def]
-        load = asyncio.create_task(
-            run_load(fleet.gateway, requests=1500, concurrency=8)
-        )
-        await later(0.5, lambda: os.kill(victim, signal.SIGSTOP))
-        await later(3.0, lambda: os.kill(victim, signal.SIGCONT))
-        return await load
-
-    stalled = asyncio.run(scenario())
+    stalled = run_load_while(
+        fleet.gateway,
+        1500,
+        8,
+        (0.5, lambda: os.kill(victim, signal.SIGSTOP)),
+        (3.0, lambda: os.kill(victim, signal.SIGCONT)),
+    )
     print(stalled.summary("SIGSTOP one engine for 3 s"))
     batches = (
         metric(batcher_metrics, r"berth_batcher_batches_total\{.*\}") - batches_before
@@ -150,14 +138,9 @@ def test_gateway_sigterm_mid_load_finishes_in_flight(fleet: Stack) -> None:
         signalled.append(time.perf_counter())
         fleet.proc.send_signal(signal.SIGTERM)
 
-    async def scenario():  # type: ignore[no-untyped-def]
-        load = asyncio.create_task(
-            run_load(fleet.gateway, requests=100_000, concurrency=16, max_duration_s=4)
-        )
-        await later(1.5, sigterm)
-        return await load
-
-    result = asyncio.run(scenario())
+    result = run_load_while(
+        fleet.gateway, 100_000, 16, (1.5, sigterm), max_duration_s=4
+    )
     print(result.summary("SIGTERM berth serve mid-load"))
     assert result.answered == result.sent
     # Every call in flight when the signal came finished OK; calls sent while
@@ -177,14 +160,9 @@ def test_batcher_killed_mid_run_loses_nothing_and_is_reconnected(fleet: Stack) -
     again (not degraded)."""
     victim = pid_listening("batcher", int(fleet.batcher.rsplit(":", 1)[1]))
 
-    async def scenario():  # type: ignore[no-untyped-def]
-        load = asyncio.create_task(
-            run_load(fleet.gateway, requests=3000, concurrency=16)
-        )
-        await later(2.0, lambda: os.kill(victim, signal.SIGKILL))
-        return await load
-
-    result = asyncio.run(scenario())
+    result = run_load_while(
+        fleet.gateway, 3000, 16, (2.0, lambda: os.kill(victim, signal.SIGKILL))
+    )
     print(result.summary("SIGKILL the batcher"))
     assert result.sent == 3000
     assert result.answered == result.sent, "requests were lost"
