@@ -35,11 +35,14 @@ def serve(
     flag wins), ``env`` added to its environment: its exit code (-1: still
     running after ``timeout``, then stopped) and its output."""
     (gateway,) = free_ports(1)
+    # One taken set, as Stack's: the runs must not overlap (serve refuses a
+    # batcher port that is also a /metrics port, say).
+    taken = {gateway}
     argv = [
         *("--port", str(gateway)),
-        *("--engine-port", str(_free_run(1))),
-        *("--batcher-port", str(_free_run(1))),
-        *("--metrics-port", str(_free_run(3))),
+        *("--engine-port", str(_free_run(1, taken))),
+        *("--batcher-port", str(_free_run(1, taken))),
+        *("--metrics-port", str(_free_run(3, taken))),
         *("--engines", "1", "--gateways", "1", "--batchers", "1"),
         *("--model-repository", str(repository), "--no-build-models"),
         *flags,
