@@ -115,6 +115,14 @@ class FusedForward:
         self.full_rows: dict[tuple[int, int], str] = {}  # the same, full rows
         self._starts: dict[tuple[int, int], torch.Tensor] = {}
         self._plans: dict[int, dict[str, kernels.LinearConfig]] = {}  # by tokens
+        # Layers whose four projections are static tensor-wise FP8 (``_fp8_layer``),
+        # and for each layer, the input scale of the FP8 QKV product after it:
+        # its closing LayerNorm writes that product's e4m3 input too.
+        self.fp8 = [_fp8_ready(layer) for layer in self.layers]
+        self._next_inv: list[torch.Tensor | None] = [
+            _inv_scale(after.attention.qkv) if ready else None
+            for after, ready in zip(self.layers[1:], self.fp8[1:], strict=True)
+        ] + [None]
 
     def _available(self, weight: torch.Tensor) -> list[str]:
         forced = os.environ.get(ATTENTION_ENV, "auto")
@@ -160,8 +168,7 @@ class FusedForward:
             keys = self._full_keys(chosen, lengths, batch, length)
         else:
             keys = self._keys(kind, lengths, batch, length)
-        for layer in self.layers:
-            x = self._layer(layer, x, batch, length, keys)
+        x = self._layers(x, batch, length, keys)
         hidden = x.view(batch, length, -1)
         if self.mean and kernels.use_triton(x):  # rows start at b * L
             starts = self._row_starts(batch, length, x.device)
@@ -197,8 +204,7 @@ class FusedForward:
             self.encoder.embeddings, ids, used, starts, tokens, pdl
         )
         keys = (kind, (used, starts), True)
-        for layer in self.layers:
-            x = self._layer(layer, x, batch, length, keys)
+        x = self._layers(x, batch, length, keys)
         if self.mean:
             pooled = mean_pool(x, lengths, starts, pdl)
         else:  # CLS: each row's first token
@@ -298,6 +304,57 @@ class FusedForward:
         if kind == "triton":  # reads any int lengths, 0 as 1: no kernels here
             return kind, (lengths, starts), False
         return kind, (lengths.clamp(min=1).to(torch.int32), starts), False
+
+    def _layers(
+        self, x: torch.Tensor, batch: int, length: int, keys: tuple[str, Any, bool]
+    ) -> torch.Tensor:
+        """Every encoder layer over x [tokens, hidden]."""
+        x8 = None  # x as the next FP8 layer's e4m3 input, where written
+        for layer, fp8, after in zip(
+            self.layers, self.fp8, self._next_inv, strict=True
+        ):
+            if fp8:
+                x, x8 = self._fp8_layer(layer, x, x8, after, batch, length, keys)
+            else:
+                x, x8 = self._layer(layer, x, batch, length, keys), None
+        return x
+
+    def _fp8_layer(
+        self,
+        layer: EncoderLayer,
+        x: torch.Tensor,
+        x8: torch.Tensor | None,
+        after: torch.Tensor | None,
+        batch: int,
+        length: int,
+        keys: tuple[str, Any, bool],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A layer of four static tensor-wise FP8 products (engine/quant.Fp8Linear):
+        each product's e4m3 input is written by the kernel before it (the
+        LayerNorm, the activation, a pass over the attention's output), and
+        cuBLASLt adds the biases. Returns the layer's output and, where
+        ``after`` (the next QKV product's 1 / input scale) is given, the
+        same rows as that product's e4m3 input."""
+        att = layer.attention
+        qkv, out, ffn_in, ffn_out = att.qkv, att.out, layer.ffn_in, layer.ffn_out
+        pdl = self._dependent(len(x))
+        if x8 is None:
+            x8 = kernels.quantize_e4m3(x, _inv_scale(qkv), pdl=pdl)
+        context = self._attend(qkv(x8), batch, length, keys)
+        context8 = kernels.quantize_e4m3(context, _inv_scale(out), pdl=pdl)
+        norm = layer.norm1
+        x, h8 = kernels.add_layer_norm_e4m3(
+            out(context8), x, norm.weight, norm.bias, self.eps, _inv_scale(ffn_in), pdl
+        )
+        inner8 = kernels.quantize_e4m3(
+            ffn_in(h8), _inv_scale(ffn_out), self.plan_act, pdl
+        )
+        y, norm = ffn_out(inner8), layer.norm2
+        if after is None:
+            return add_layer_norm(y, x, norm.weight, norm.bias, self.eps, pdl=pdl), None
+        return kernels.add_layer_norm_e4m3(
+            y, x, norm.weight, norm.bias, self.eps, after, pdl
+        )
 
     def _layer(
         self,
@@ -416,6 +473,23 @@ class FusedForward:
                 0, (batch + 1) * length, length, dtype=torch.int32, device=device
             )
         return self._starts[key]
+
+
+def _fp8_ready(layer: EncoderLayer) -> bool:
+    """Whether all four projections of ``layer`` take e4m3 input in their own
+    static scale (engine/quant.Fp8Linear, tensor-wise, static input scales)."""
+    projections = (
+        layer.attention.qkv,
+        layer.attention.out,
+        layer.ffn_in,
+        layer.ffn_out,
+    )
+    return all(getattr(p, "static_tensorwise", False) for p in projections)
+
+
+def _inv_scale(projection: nn.Module) -> torch.Tensor:
+    """1 / the static input scale of an FP8 projection (a device scalar)."""
+    return cast(torch.Tensor, projection.input_inv_scale)
 
 
 def _packed_starts(used: torch.Tensor) -> torch.Tensor:

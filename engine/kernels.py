@@ -47,6 +47,8 @@ except ImportError:  # the CPU build of torch comes without Triton
 
 # Rows per add + LayerNorm program on large batches (benchmarks/engine.py probes).
 LN_ROWS = 4
+# float8_e4m3fn's largest finite value.
+E4M3_MAX = 448.0
 
 # ``linear``'s activations (a constexpr of the kernel).
 ACT_NONE, ACT_GELU_TANH, ACT_GELU_ERF, ACT_RELU = 0, 1, 2, 3
@@ -101,10 +103,32 @@ if triton is not None:
         return diff * rstd[:, None] * w[None, :] + b[None, :]
 
     @triton.jit
+    def _activate(acc, ACT: tl.constexpr):  # type: ignore[no-untyped-def]
+        # ACT_NONE, ACT_GELU_TANH, ACT_GELU_ERF or ACT_RELU of float32 acc.
+        if ACT == 1:  # GELU, tanh form: x * sigmoid(2 * sqrt(2/pi) * (x + c x^3))
+            inner_x = 1.5957691216057308 * (acc + 0.044715 * acc * acc * acc)
+            acc = acc / (1.0 + tl.exp(-inner_x))
+        elif ACT == 2:  # GELU, erf form
+            acc = 0.5 * acc * (1.0 + tl.erf(acc * 0.7071067811865476))
+        elif ACT == 3:
+            acc = tl.maximum(acc, 0.0)
+        return acc
+
+    @triton.jit
+    def _e4m3(y, inv_ptr):  # type: ignore[no-untyped-def]
+        # float32 y / scale, saturated to e4m3's largest finite value (its
+        # float8 type has no inf: an overflow would be NaN); the caller stores
+        # it to a float8_e4m3fn tensor, which rounds to nearest even.
+        return tl.clamp(y * tl.load(inv_ptr), -448.0, 448.0)
+
+    @triton.jit
     def _add_layer_norm_kernel(  # type: ignore[no-untyped-def]
-        x_ptr, r_ptr, w_ptr, b_ptr, out_ptr, n_rows, n_cols, eps,
-        ROWS: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr,
+        x_ptr, r_ptr, w_ptr, b_ptr, out_ptr, q_ptr, inv_ptr, n_rows, n_cols, eps,
+        ROWS: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr,
+        GDC: tl.constexpr,
     ):  # fmt: skip
+        # With QUANT, the normalized rows are also stored as e4m3 (q_ptr), in
+        # the scale the next FP8 matmul reads them with (1 / scale at inv_ptr).
         _chain(GDC)
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK)
@@ -114,6 +138,21 @@ if triton is not None:
         x += tl.load(r_ptr + offsets, mask=keep, other=0.0).to(tl.float32)
         y = _layer_norm(x, keep, cols, n_cols, eps, w_ptr, b_ptr)
         tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=keep)
+        if QUANT:
+            q = _e4m3(y, inv_ptr)
+            tl.store(q_ptr + offsets, q.to(q_ptr.dtype.element_ty), mask=keep)
+
+    @triton.jit
+    def _quantize_e4m3_kernel(  # type: ignore[no-untyped-def]
+        x_ptr, out_ptr, inv_ptr, n,
+        ACT: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr,
+    ):  # fmt: skip
+        # out = e4m3(act(x) / scale), elementwise over n values.
+        _chain(GDC)
+        at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + at, mask=at < n, other=0.0).to(tl.float32)
+        q = _e4m3(_activate(x, ACT), inv_ptr)
+        tl.store(out_ptr + at, q.to(out_ptr.dtype.element_ty), mask=at < n)
 
     @triton.jit
     def _embed_layer_norm_kernel(  # type: ignore[no-untyped-def]
@@ -245,13 +284,7 @@ if triton is not None:
             acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[
                 None, :
             ]
-            if ACT == 1:  # GELU, tanh form: x * sigmoid(2 * sqrt(2/pi) * (x + c x^3))
-                inner_x = 1.5957691216057308 * (acc + 0.044715 * acc * acc * acc)
-                acc = acc / (1.0 + tl.exp(-inner_x))
-            elif ACT == 2:  # GELU, erf form
-                acc = 0.5 * acc * (1.0 + tl.erf(acc * 0.7071067811865476))
-            elif ACT == 3:
-                acc = tl.maximum(acc, 0.0)
+            acc = _activate(acc, ACT)
             tl.store(out_ptr + where, acc.to(out_ptr.dtype.element_ty), mask=keep)
 
     @triton.jit
@@ -288,15 +321,89 @@ def add_layer_norm(
     Several rows per program once there are many: fewer, fuller programs."""
     if not use_triton(x):
         return F.layer_norm(x + residual, x.shape[-1:], weight, bias, eps)
+    out = torch.empty_like(x)
+    _add_layer_norm(x, residual, weight, bias, eps, out, None, rows_per_program, pdl)
+    return out
+
+
+def add_layer_norm_e4m3(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    inv_scale: torch.Tensor,
+    pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(LayerNorm(x + residual), the same rows as e4m3 over ``1 / inv_scale``):
+    the residual stream and the next FP8 matmul's input, in one pass."""
+    if not use_triton(x):
+        out = F.layer_norm(x + residual, x.shape[-1:], weight, bias, eps)
+        return out, to_e4m3(out, inv_scale)
+    out = torch.empty_like(x)
+    out8 = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    _add_layer_norm(x, residual, weight, bias, eps, out, (out8, inv_scale), None, pdl)
+    return out, out8
+
+
+def _add_layer_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    out: torch.Tensor,
+    quant: tuple[torch.Tensor, torch.Tensor] | None,
+    rows_per_program: int | None,
+    pdl: bool,
+) -> None:
     rows, cols = x.shape
     per = rows_per_program or (LN_ROWS if rows >= 2048 else 1)
-    out = torch.empty_like(x)
     block = triton.next_power_of_2(cols)
+    out8, inv = quant if quant is not None else (out, bias)  # unread without QUANT
     _add_layer_norm_kernel[(triton.cdiv(rows, per),)](
-        x, residual, weight, bias, out, rows, cols, eps,
-        ROWS=per, BLOCK=block, num_warps=_warps(per * block), **_launch(pdl),
+        x, residual, weight, bias, out, out8, inv, rows, cols, eps,
+        ROWS=per, BLOCK=block, QUANT=quant is not None,
+        num_warps=_warps(per * block), **_launch(pdl),
     )  # fmt: skip
+
+
+# Values per program of quantize_e4m3.
+QUANT_BLOCK = 2048
+
+
+def quantize_e4m3(
+    x: torch.Tensor, inv_scale: torch.Tensor, act: int = ACT_NONE, pdl: bool = False
+) -> torch.Tensor:
+    """e4m3(act(x) / scale) in one pass (``inv_scale`` = 1 / scale, a device
+    scalar, so a CUDA graph keeps reading the current one): the input of an
+    FP8 matmul whose producer cannot write e4m3 itself."""
+    if not use_triton(x):
+        return to_e4m3(_activate_reference(x.float(), act), inv_scale)
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    n = x.numel()
+    _quantize_e4m3_kernel[(triton.cdiv(n, QUANT_BLOCK),)](
+        x, out, inv_scale, n, ACT=act, BLOCK=QUANT_BLOCK, num_warps=4, **_launch(pdl)
+    )
     return out
+
+
+def _activate_reference(x: torch.Tensor, act: int) -> torch.Tensor:
+    if act == ACT_GELU_TANH:
+        return F.gelu(x, approximate="tanh")
+    if act == ACT_GELU_ERF:
+        return F.gelu(x)
+    if act == ACT_RELU:
+        return F.relu(x)
+    return x
+
+
+def to_e4m3(x: torch.Tensor, inv_scale: torch.Tensor | float) -> torch.Tensor:
+    """x / scale, saturated to ±448 (e4m3fn has no inf: overflow would be NaN),
+    in torch ops: what the kernels compute, on any device."""
+    scaled = x.float() * inv_scale
+    return scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
 def embed_layer_norm(

@@ -10,11 +10,13 @@ classifier head keep their precision.
   calibration texts, activation outliers are first smoothed into the
   weights (SmoothQuant).
 - ``fp8`` (CUDA, Hopper/Ada): :class:`Fp8Linear`, e4m3 weights with one
-  scale per output channel and a static activation scale per layer
-  calibrated on real texts (:func:`record_input_amax`), multiplied by
-  ``torch._scaled_mm``. Its forward has no data-dependent control flow and
-  no host sync, so it lives inside the engine's CUDA graphs. The rest of the
-  encoder runs in bf16 (the output type of row-wise scaled FP8 products).
+  scale per weight (per output channel in the row-wise variant) and a static
+  activation scale per layer calibrated on real texts
+  (:func:`record_input_amax`), multiplied by ``torch._scaled_mm`` with the
+  bias in its epilogue, writing the model's fp16. Its forward has no
+  data-dependent control flow and no host sync, so it lives inside the
+  engine's CUDA graphs, where engine/fused.py's LayerNorm and GELU kernels
+  write the next product's e4m3 input themselves.
 
 The scale arithmetic is plain torch and runs (and is tested) on the CPU;
 ``torch._scaled_mm`` also runs there, slowly, as a reference.
@@ -30,13 +32,15 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from engine import kernels
 from engine.calibration import calibration_texts, text_batches
 from services.repository import ModelEntry
 
 log = logging.getLogger("berth.engine")
 
 QUANT_MODES = ("none", "int8", "fp8")
-E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+E4M3_MAX = kernels.E4M3_MAX  # largest finite float8_e4m3fn
+FP8 = torch.float8_e4m3fn
 INT8_MAX = 127.0
 _TINY = 1e-12
 CALIBRATION_MAX_LENGTH = 256  # the calibration texts fit; longer buckets add nothing
@@ -165,9 +169,12 @@ def quantize_int8_cpu(
 # ---- FP8 on the GPU ----------------------------------------------------------
 
 
-def fp8_weight_scales(weight: torch.Tensor) -> torch.Tensor:
-    """Per-output-channel scales: row max |w| maps to 448 (e4m3's largest)."""
-    return weight.detach().float().abs().amax(dim=1).clamp(min=_TINY) / E4M3_MAX
+def fp8_weight_scales(weight: torch.Tensor, rowwise: bool = True) -> torch.Tensor:
+    """Scales that map max |w| to 448 (e4m3's largest): one per output channel
+    (row-wise), else one for the whole weight (a 0-d tensor)."""
+    w = weight.detach().float().abs()
+    amax = w.amax(dim=1) if rowwise else w.amax()
+    return amax.clamp(min=_TINY) / E4M3_MAX
 
 
 def fp8_input_scale(amax: float) -> float:
@@ -175,10 +182,9 @@ def fp8_input_scale(amax: float) -> float:
     return max(float(amax), 1e-6) / E4M3_MAX
 
 
-def quantize_e4m3(x: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
+def quantize_e4m3(x: torch.Tensor, inv_scale: torch.Tensor | float) -> torch.Tensor:
     """x / scale, saturated to ±448 (e4m3fn has no inf: overflow would be NaN)."""
-    scaled = x.float() * inv_scale
-    return scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return kernels.to_e4m3(x, inv_scale)
 
 
 def quantize_rows_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,34 +193,37 @@ def quantize_rows_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_e4m3(x, 1.0 / scales), scales
 
 
-# What Fp8Linear quantizes its input with: eager (several kernels) unless
-# use_compiled_quantize() swapped in one fused Triton kernel each.
-_quantize_input = quantize_e4m3
+# What a per-token Fp8Linear quantizes its input with: eager (several kernels)
+# unless use_compiled_quantize() swapped in one fused Triton kernel.
 _quantize_rows = quantize_rows_e4m3
 
 
 def use_compiled_quantize() -> bool:
-    """Quantize FP8 inputs with one fused kernel (torch.compile, needs Triton).
+    """Quantize per-token FP8 inputs with one fused kernel (torch.compile,
+    needs Triton); static input scales always take berth's own kernel
+    (engine/kernels.quantize_e4m3).
 
     Each new input shape compiles once, at its first call: warm every shape
     up before capturing CUDA graphs. Returns whether the swap happened.
     """
-    global _quantize_input, _quantize_rows
+    global _quantize_rows
     try:
         import triton  # noqa: F401
     except ImportError:
         log.info("fp8: no Triton, inputs are quantized by eager kernels")
         return False
-    _quantize_input = torch.compile(quantize_e4m3, dynamic=None)
     _quantize_rows = torch.compile(quantize_rows_e4m3, dynamic=None)
     return True
 
 
-def fp8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 weight [out, in], float32 scales [out]) with w ~= w8 * scale."""
-    scales = fp8_weight_scales(weight)
-    w8 = quantize_e4m3(weight.detach(), (1.0 / scales)[:, None])
-    return w8, scales
+def fp8_weight(
+    weight: torch.Tensor, rowwise: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 weight [out, in], float32 scales) with w ~= w8 * scale: scales
+    [out] row-wise, one 0-d scale tensor-wise."""
+    scales = fp8_weight_scales(weight, rowwise)
+    inv = (1.0 / scales)[:, None] if rowwise else 1.0 / scales
+    return quantize_e4m3(weight.detach(), inv), scales
 
 
 def fp8_supported(linear: nn.Linear) -> bool:
@@ -223,23 +232,39 @@ def fp8_supported(linear: nn.Linear) -> bool:
 
 
 class Fp8Linear(nn.Module):
-    """An nn.Linear as an FP8 e4m3 matmul: per-channel weight scales; input
-    scales static (one per layer, calibrated) or, with ``dynamic`` (row-wise
-    only), one per token computed from the token's own max |x| at run time."""
+    """An nn.Linear as one FP8 e4m3 matmul (``torch._scaled_mm``).
+
+    - **Tensor-wise** (``rowwise=False``, what the engine serves): one scale
+      for the weight and one static input scale, calibrated; cuBLASLt applies
+      both and adds the bias in its epilogue and writes ``out_dtype`` (the
+      model's fp16), so the layer is one kernel. On the H200 it is the faster
+      layout at every BERT-base size, 1.3-1.9x fp16 at 16,384 tokens and
+      1.1-1.4x at 128, where the row-wise kernels are slower than fp16
+      (benchmarks/fp8_gemm.py). e4m3 is floating point, so one scale for a
+      whole weight loses nothing a scale per channel would keep (each only
+      matters for values it pushes under e4m3's subnormals).
+    - **Row-wise**: one scale per output channel, and per input row either
+      the static scale or (``dynamic``) the token's own max |x| at run time;
+      bf16 out (the CUTLASS kernels torch picks for row-wise scales).
+
+    An input that is already e4m3 is taken to be in this layer's static input
+    scale (engine/fused.py's LayerNorm and GELU kernels write it so) and is
+    multiplied as it is; any other input is quantized first, by berth's
+    kernel (engine/kernels.quantize_e4m3) or per token.
+    """
 
     weight8: torch.Tensor
     weight_scale: torch.Tensor
     input_scale: torch.Tensor
     input_inv_scale: torch.Tensor
-    one: torch.Tensor
     bias: torch.Tensor
 
     def __init__(
         self,
         linear: nn.Linear,
         input_amax: float,
-        rowwise: bool = True,
-        out_dtype: torch.dtype = torch.bfloat16,
+        rowwise: bool = False,
+        out_dtype: torch.dtype = torch.float16,
         dynamic: bool = False,
     ) -> None:
         super().__init__()
@@ -256,23 +281,21 @@ class Fp8Linear(nn.Module):
         self.rowwise = rowwise
         self.out_dtype = out_dtype
         device = linear.weight.device
-        w8, w_scale = fp8_weight(linear.weight)
+        w8, w_scale = fp8_weight(linear.weight, rowwise)
         x_scale = fp8_input_scale(input_amax)
         self.input_amax = float(input_amax)
         f32 = torch.float32
         # w8 is row-major [out, in]; w8.t() is the column-major [in, out]
         # that _scaled_mm wants as its second operand.
         self.register_buffer("weight8", w8)
-        self.register_buffer("weight_scale", w_scale.reshape(1, -1).to(device, f32))
-        self.register_buffer("input_scale", torch.full((1, 1), x_scale, device=device))
+        shape = (1, -1) if rowwise else ()
+        self.register_buffer("weight_scale", w_scale.reshape(shape).to(device, f32))
+        self.register_buffer("input_scale", torch.full((), x_scale, device=device))
         inv = torch.full((), 1.0 / x_scale, device=device)
         self.register_buffer("input_inv_scale", inv)
-        self.register_buffer("one", torch.ones((), device=device))
         zeros = torch.zeros(self.out_features, device=device)
         bias = zeros if linear.bias is None else linear.bias.detach()
-        # Row-wise: bias fused into the product, in the output type. Tensor-wise:
-        # bias added in float32 after the per-channel scales.
-        self.register_buffer("bias", bias.to(out_dtype if rowwise else f32))
+        self.register_buffer("bias", bias.to(out_dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -280,37 +303,37 @@ class Fp8Linear(nn.Module):
         if self.dynamic:
             xq, scale_a = _quantize_rows(x2)
         else:
-            xq = _quantize_input(x2, self.input_inv_scale)
-            scale_a = self.input_scale.expand(x2.shape[0], 1).contiguous()
-        if self.rowwise:
-            # out[i, j] = (sum_k xq[i, k] w8[j, k]) * x_scale[i] * w_scale[j] + b[j]
-            out = torch._scaled_mm(
-                xq,
-                self.weight8.t(),
-                scale_a=scale_a,
-                scale_b=self.weight_scale,
-                bias=self.bias,
-                out_dtype=self.out_dtype,
-                use_fast_accum=True,
+            xq = (
+                x2
+                if x2.dtype == FP8
+                else kernels.quantize_e4m3(x2, self.input_inv_scale)
             )
-        else:
-            raw = torch._scaled_mm(
-                xq,
-                self.weight8.t(),
-                scale_a=self.input_scale.reshape(()),
-                scale_b=self.one,
-                out_dtype=torch.float32,
-                use_fast_accum=True,
-            )
-            out = torch.addcmul(self.bias, raw, self.weight_scale).to(self.out_dtype)
+            scale_a = self.input_scale
+            if self.rowwise:
+                scale_a = scale_a.expand(x2.shape[0], 1).contiguous()
+        # out[i, j] = (sum_k xq[i, k] w8[j, k]) * x_scale[i] * w_scale[j] + b[j]
+        out = torch._scaled_mm(
+            xq,
+            self.weight8.t(),
+            scale_a=scale_a,
+            scale_b=self.weight_scale,
+            bias=self.bias,
+            out_dtype=self.out_dtype,
+            use_fast_accum=True,
+        )
         return out.reshape(*lead, self.out_features)
+
+    @property
+    def static_tensorwise(self) -> bool:
+        """Whether a producer may hand this layer e4m3 input in its scale."""
+        return not self.rowwise and not self.dynamic
 
     def extra_repr(self) -> str:
         mode = "rowwise" if self.rowwise else "tensorwise"
         inputs = "per token" if self.dynamic else f"input_amax={self.input_amax:.4g}"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"{mode}, {inputs}"
+            f"{mode}, {inputs}, out={str(self.out_dtype).removeprefix('torch.')}"
         )
 
 
@@ -377,24 +400,30 @@ def record_input_amax(
 def quantize_fp8(
     model: nn.Module,
     batches: Iterable[Batch],
-    rowwise: bool | None = None,
-    dtype: torch.dtype = torch.bfloat16,
+    rowwise: bool = False,
+    dtype: torch.dtype | None = None,
     dynamic: bool = False,
     keep: frozenset[str] = frozenset(),
 ) -> int:
     """Calibrate on ``batches``, then swap the encoder's Linears for FP8 ones.
 
-    In place. The encoder is first cast to ``dtype`` (bf16: row-wise FP8
-    products return bf16); ``rowwise=None`` probes the device; ``dynamic``
-    gives every token its own input scale (row-wise only); projections named
-    in ``keep`` (qkv, out, ffn_in, ffn_out) stay in ``dtype``, as do layers
-    whose shape FP8 cannot take. Returns how many were replaced.
+    In place. The encoder is first cast to ``dtype``, by default its own
+    fp16 or bf16 (fp16 for a float32 model; bf16 with ``rowwise``, whose
+    products return bf16), and the FP8 products write that dtype; ``rowwise``
+    takes a scale per weight channel and ``dynamic`` (row-wise only) one per
+    token (see :class:`Fp8Linear`); projections named in ``keep`` (qkv, out,
+    ffn_in, ffn_out) stay in ``dtype``, as do layers whose shape FP8 cannot
+    take. Returns how many were replaced.
     """
+    if dynamic and not rowwise:
+        raise ValueError("per-token input scales need row-wise scaled products")
     encoder = getattr(model, "encoder", model)
+    if dtype is None:
+        own = next(encoder.parameters()).dtype
+        halves = (torch.float16, torch.bfloat16)
+        dtype = torch.bfloat16 if rowwise else own if own in halves else torch.float16
     encoder.to(dtype)
     device = next(encoder.parameters()).device
-    if rowwise is None:
-        rowwise = rowwise_scaled_mm_works(device)
     per_channel = record_input_amax(model, batches)
     amax = {name: float(a.max()) for name, a in per_channel.items()}
     replaced = 0
@@ -404,14 +433,14 @@ def quantize_fp8(
         if not fp8_supported(linear):
             log.warning("fp8: %s kept in %s (shape not a multiple of 16)", name, dtype)
             continue
-        layer = Fp8Linear(linear, amax[name], rowwise, dtype, dynamic and rowwise)
+        layer = Fp8Linear(linear, amax[name], rowwise, dtype, dynamic)
         _replace(model, name, layer)
         replaced += 1
     log.info(
         "fp8: %d encoder linears now e4m3 (%s scales, %s input scales) on %s",
         replaced,
         "row-wise" if rowwise else "tensor-wise",
-        "per-token" if dynamic and rowwise else "static",
+        "per-token" if dynamic else "static",
         device,
     )
     return replaced

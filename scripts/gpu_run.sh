@@ -10,8 +10,10 @@
 #                      classic ones at small batches); small_batch_h200.json
 #   engine_bench.log   benchmarks/engine.py; its JSON in engine_h200.json;
 #                      smi.log: clocks, power, throttling while it ran
-#   quant_gpu.log      benchmarks/quant_gpu.py, when that file exists, last, in
-#                      the time left ($OUT is exported: it writes its JSON there)
+#   fp8_gemm.log       benchmarks/fp8_gemm.py: FP8 against fp16 products at
+#                      BERT-base's projection shapes; fp8_gemm_h200.json
+#   quant_gpu.log      benchmarks/quant_gpu.py, last, in the time left ($OUT is
+#                      exported: it writes its JSON there)
 #   e2e_*.log, e2e_gpu_<model>_<api>.json
 #                      benchmarks/e2e.py per model:api in E2E_RUNS (default
 #                      "bert-base:unary bert-base:stream minilm:unary");
@@ -142,7 +144,9 @@ if [[ " $STAGES " == *" e2e "* ]]; then
 fi
 
 # Last, in what is left of the device tool's 600 s per command.
-if [[ " $STAGES " == *" quant "* && -f benchmarks/quant_gpu.py ]]; then
+if [[ " $STAGES " == *" quant "* ]]; then
+  timeout 120 $PY benchmarks/fp8_gemm.py > "$OUT/fp8_gemm.log" 2>&1
+  echo "fp8_gemm: exit $?"; grep -A20 "^us per product" "$OUT/fp8_gemm.log"
   left=$((570 - SECONDS))
   if ((left > 30)); then
     timeout "$left" $PY benchmarks/quant_gpu.py > "$OUT/quant_gpu.log" 2>&1

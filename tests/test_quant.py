@@ -111,7 +111,22 @@ def test_fp8_linear_matches_linear(rowwise: bool) -> None:
     assert got.shape == want.shape == (5, 7, 32)
     assert _cos(got, want).min() > 0.995
     assert fp8.weight8.dtype == torch.float8_e4m3fn
-    assert fp8.weight_scale.shape == (1, 32)  # one per output channel
+    # one scale per output channel, else one for the weight
+    assert fp8.weight_scale.shape == ((1, 32) if rowwise else ())
+    assert fp8.static_tensorwise is not rowwise
+
+
+def test_fp8_linear_takes_e4m3_input_in_its_own_scale() -> None:
+    """What the fused forward's LayerNorm and GELU kernels hand it: the same
+    product as from the fp16 input it quantizes itself."""
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 32)
+    x = torch.randn(6, 64)
+    fp8 = quant.Fp8Linear(linear, float(x.abs().max()), out_dtype=torch.float32)
+    x8 = quant.quantize_e4m3(x, fp8.input_inv_scale)
+    with torch.inference_mode():
+        assert torch.equal(fp8(x8), fp8(x))
+        assert _cos(fp8(x8), linear(x)).min() > 0.995
 
 
 def test_fp8_per_token_scales_keep_small_rows_precise() -> None:
@@ -186,7 +201,8 @@ def test_quantize_fp8_on_the_reference_path() -> None:
     assert quant.quantize_fp8(model, _tiny_batches()) == 4 * TINY.num_layers
     assert isinstance(model.get_submodule("encoder.layers.0.ffn_in"), quant.Fp8Linear)
     norm = model.get_submodule("encoder.layers.0.norm1")
-    assert isinstance(norm, nn.LayerNorm) and norm.weight.dtype == torch.bfloat16
+    # a float32 model runs in fp16 around its FP8 products, as the engine's does
+    assert isinstance(norm, nn.LayerNorm) and norm.weight.dtype == torch.float16
     ids, lengths = _tiny_batches(1)[0]
     with torch.inference_mode():
         got, want = model(ids, lengths), reference(ids, lengths)
@@ -199,14 +215,35 @@ def test_the_engines_fused_forward_runs_fp8_layers() -> None:
     layers are called as modules there (their weights are not an nn.Linear's)."""
     from engine.fused import FusedForward
 
-    model = _tiny_model()
-    quant.quantize_fp8(model, _tiny_batches())
-    ids, lengths = _tiny_batches(1)[0]
-    with torch.inference_mode():
-        fused, plain = FusedForward(model)(ids, lengths), model(ids, lengths)
-    real = lengths > 0
-    assert torch.isfinite(fused).all()
-    assert _cos(fused[real], plain[real]).min() > 0.999
+    for rowwise in (False, True):
+        model = _tiny_model()
+        quant.quantize_fp8(model, _tiny_batches(), rowwise=rowwise)
+        ids, lengths = _tiny_batches(1)[0]
+        forward = FusedForward(model)
+        # tensor-wise layers run as FP8 layers, e4m3 written by their producers
+        assert forward.fp8 == [not rowwise] * TINY.num_layers
+        with torch.inference_mode():
+            fused, plain = forward(ids, lengths), model(ids, lengths)
+        real = lengths > 0
+        assert torch.isfinite(fused).all()
+        assert _cos(fused[real], plain[real]).min() > 0.999
+
+
+def test_fp8_kernels_fall_back_to_what_they_compute() -> None:
+    """engine/kernels' e4m3 writers off the GPU: act(x) / scale saturated at
+    ±448 (tests/gpu checks the Triton kernels against the same on the H200)."""
+    from engine import kernels
+
+    x = torch.randn(8, 64) * 40
+    inv = torch.tensor(4.0)
+    q = kernels.quantize_e4m3(x, inv, kernels.ACT_GELU_TANH)
+    want = quant.quantize_e4m3(torch.nn.functional.gelu(x, approximate="tanh"), inv)
+    assert q.dtype == torch.float8_e4m3fn and torch.equal(q.float(), want.float())
+    assert q.float().abs().max() == quant.E4M3_MAX  # saturated, no NaN
+    w, b, r = torch.randn(64), torch.randn(64), torch.randn(8, 64)
+    out, out8 = kernels.add_layer_norm_e4m3(x, r, w, b, 1e-12, inv)
+    torch.testing.assert_close(out, kernels.add_layer_norm(x, r, w, b, 1e-12))
+    assert torch.equal(out8.float(), quant.quantize_e4m3(out, inv).float())
 
 
 def test_quantize_for_entry_checks_mode_and_device() -> None:

@@ -478,6 +478,62 @@ def test_fp8_entry_serves_from_graphs(refs: Fixtures) -> None:
     assert cos.min() >= 0.98
 
 
+def test_fp8_entry_runs_its_layers_as_fp8_layers(refs: Fixtures) -> None:
+    """The served FP8 model's layers take the fused FP8 path (each product's
+    e4m3 input written by the kernel before it), in graphs and eagerly alike."""
+    entry = dataclasses.replace(refs.entries["intent"], quantize="fp8")
+    cuda = CudaBackend("cuda:0")
+    cuda.load(entry)
+    runner = cuda.runner("intent")
+    assert all(runner.forward.fp8), "the FP8 layers fell back to module calls"
+    cuda.warmup("intent", bucket_shapes(entry.buckets, 32, TOKEN_BUDGET))
+    ids, lengths = random_batch(8, 32, runner.vocab, seed=11)
+    graphed = cuda.run_bytes("intent", ids.tobytes(), lengths.tobytes(), 8, 32)[0]
+    with torch.inference_mode():
+        ids_d, lengths_d = (
+            torch.from_numpy(ids).cuda(),
+            torch.from_numpy(lengths).cuda(),
+        )
+        eager = runner.forward(ids_d, lengths_d).float().cpu().numpy()
+    live = lengths > 0
+    assert cosine(graphed[live], eager[live]).min() > 0.9999
+
+
+@pytest.mark.parametrize("act", [0, 1, 2, 3])
+def test_e4m3_kernels_equal_torchs_conversion(act: int) -> None:
+    """engine/kernels' e4m3 writers round and saturate as torch's cast does,
+    and read their scale from the device at each run (a graph sees a new one)."""
+    from engine import kernels
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(300, 768, device="cuda", generator=gen, dtype=torch.float16) * 8
+    inv = torch.tensor(30.0, device="cuda")
+    want = kernels.to_e4m3(kernels._activate_reference(x.float(), act), inv)
+    got = kernels.quantize_e4m3(x, inv, act)
+    if act in (1, 2):  # GELU's float32 arithmetic differs from torch's by ulps:
+        # a value at an e4m3 tie may round to the other neighbour
+        close = (got.float() - want.float()).abs() <= want.float().abs() / 8 + 2**-9
+        assert close.all() and (got.float() == want.float()).float().mean() > 0.99
+    else:
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert torch.isfinite(got.float()).all() and got.float().abs().max() == 448.0
+    r = torch.randn_like(x)
+    w = torch.randn(768, device="cuda", dtype=torch.float16)
+    b = torch.randn(768, device="cuda", dtype=torch.float16)
+    graph = torch.cuda.CUDAGraph()
+    kernels.add_layer_norm_e4m3(x, r, w, b, 1e-12, inv)  # compile before capture
+    with torch.cuda.graph(graph):
+        out, out8 = kernels.add_layer_norm_e4m3(x, r, w, b, 1e-12, inv)
+    inv.fill_(2.0)
+    graph.replay()
+    torch.testing.assert_close(out, kernels.add_layer_norm(x, r, w, b, 1e-12))
+    # e4m3 of the float32 row (before its fp16 rounding): the same value but
+    # where the fp16 rounding lands on an e4m3 tie
+    want8 = kernels.to_e4m3(out.float(), 2.0).float()
+    assert (out8.float() == want8).float().mean() > 0.999
+    assert ((out8.float() - want8).abs() <= want8.abs() / 8 + 2**-9).all()
+
+
 def test_a_batch_leaves_the_callers_stream_current(backend: CudaBackend) -> None:
     """Batches run on the engine's stream (set by id for the batch, not with
     torch's costlier context) and give the caller's stream back."""
