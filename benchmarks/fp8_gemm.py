@@ -13,7 +13,10 @@ the product's epilogue:
   takes none there), what a product costs when it writes half the bytes;
 - ``e4m3 pass``: quantizing the input in a separate pass
   (engine/kernels.quantize_e4m3 where Triton runs), what a product pays
-  when its producer cannot write e4m3 itself.
+  when its producer cannot write e4m3 itself;
+- ``fp8 + GELU, e4m3 out``: bias, GELU and e4m3 out in cuBLASLt's epilogue
+  (engine/cublaslt.py), how the FP8 engine runs FFN-in: compare with
+  ``fp8`` plus an ``e4m3 pass`` of the product's output.
 
 Each is 20 calls captured in one CUDA graph, the best of 7 replays (weights
 stay in L2 across calls: a floor for few tokens). Prints a table with each
@@ -46,6 +49,7 @@ FP8 = torch.float8_e4m3fn
 SHAPES = [("qkv", 2304, 768), ("out", 768, 768), ("ffn_in", 3072, 768)]
 SHAPES.append(("ffn_out", 768, 3072))
 VARIANTS = ["fp16", "fp8", "fp8 row-wise", "fp8, e4m3 out", "e4m3 pass"]
+VARIANTS.append("fp8 + GELU, e4m3 out")
 
 
 def graph_us(fn: Callable[[], object], calls: int = 20, rounds: int = 7) -> float:
@@ -94,7 +98,25 @@ def products(tokens: int, n: int, k: int) -> dict[str, Callable[[], object]]:
         ),
         "fp8, e4m3 out": lambda: scaled(one, one, scale_result=one, out_dtype=FP8),
         "e4m3 pass": lambda: kernels.quantize_e4m3(x, one),
+        "fp8 + GELU, e4m3 out": gelu_e4m3(x8, w8, one, bias),
     }
+
+
+def gelu_e4m3(
+    x8: torch.Tensor, w8: torch.Tensor, one: torch.Tensor, bias: torch.Tensor
+) -> Callable[[], object]:
+    """The product with bias, GELU and e4m3 out in cuBLASLt's epilogue
+    (engine/cublaslt.py), as the FP8 engine's FFN-in runs it."""
+    from engine.cublaslt import Fp8EpilogueGemm
+
+    made: list[Fp8EpilogueGemm] = []
+
+    def run() -> torch.Tensor:
+        if not made:  # at the first (uncaptured) call: an error is the row's
+            made.append(Fp8EpilogueGemm(w8, one, one, bias, one))
+        return made[0](x8)
+
+    return run
 
 
 def main() -> None:

@@ -268,14 +268,14 @@ def graph_speed(
     return batch * 1000.0 / ms, ms, out.float().clone()
 
 
-def fused_forward(model: ServedModel) -> Forward | None:
+def fused_forward(model: ServedModel, **options: Any) -> Forward | None:
     """The engine's fused forward (engine/fused.py), where it imports."""
     try:
         from engine.fused import FusedForward
     except ImportError as exc:
         log.warning("engine.fused unavailable: %s", exc)
         return None
-    return FusedForward(model)
+    return FusedForward(model, **options)
 
 
 def speed(
@@ -311,6 +311,7 @@ def speed(
     variants: list[tuple[str, Callable[[], Forward | None]]] = [
         ("fp16 engine (fused kernels)", lambda: fused_forward(fp16())),
         ("fp8 engine (fused kernels)", lambda: fused_forward(fp8())),
+        ("fp8 engine, GELU pass", lambda: fused_forward(fp8(), fp8_epilogue=False)),
         ("fp8 row-wise + fused kernels", lambda: fused_forward(fp8(rowwise=True))),
         ("fp8 eager", fp8),
     ]

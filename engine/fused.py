@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine import kernels
+from engine.cublaslt import Fp8EpilogueGemm, fp8_epilogue_gemm
 from engine.encoder import ACTIVATIONS, EncoderLayer, key_padding_mask
 from engine.heads import ClsPooling, MeanPooling
 from engine.kernels import add_layer_norm, add_layer_norm_partials, mean_pool
@@ -49,6 +50,18 @@ ATTENTION_ENV = "BERTH_ATTENTION"
 ATTENTION_KINDS = ("flash", "triton", "sdpa")
 # BERTH_PDL=0: kernels launched the classic way (no dependent launches).
 PDL_ENV = "BERTH_PDL"
+# BERTH_FP8_EPILOGUE=0: FP8 layers apply FFN-in's activation in a separate pass
+# instead of cuBLASLt's epilogue (engine/cublaslt.py).
+FP8_EPILOGUE_ENV = "BERTH_FP8_EPILOGUE"
+
+
+class Fp8Layer(NamedTuple):
+    """How ``FusedForward._fp8_layer`` runs one FP8 layer."""
+
+    after: torch.Tensor | None  # 1 / the next layer's QKV input scale
+    ffn_in: Fp8EpilogueGemm | None  # FFN-in with activation and e4m3 out
+
+
 # Dependent launches up to this many tokens a forward. H200, end to end over
 # four runs: 1.01-1.23x at 16-256 tokens (mostly 1.06-1.09x), 0.97-1.00x at
 # 512-1,024 (MiniLM 0.90-0.99x at 1,024): benchmarks/small_batch.py.
@@ -84,7 +97,11 @@ class FusedForward:
     """ServedModel's forward with fused kernels: same weights, same function."""
 
     def __init__(
-        self, served: ServedModel, gelu_epilogue: bool = True, pdl: bool | None = None
+        self,
+        served: ServedModel,
+        gelu_epilogue: bool = True,
+        pdl: bool | None = None,
+        fp8_epilogue: bool | None = None,
     ) -> None:
         self.served = served
         self.encoder = served.encoder
@@ -115,14 +132,39 @@ class FusedForward:
         self.full_rows: dict[tuple[int, int], str] = {}  # the same, full rows
         self._starts: dict[tuple[int, int], torch.Tensor] = {}
         self._plans: dict[int, dict[str, kernels.LinearConfig]] = {}  # by tokens
-        # Layers whose four projections are static tensor-wise FP8 (``_fp8_layer``),
-        # and for each layer, the input scale of the FP8 QKV product after it:
-        # its closing LayerNorm writes that product's e4m3 input too.
-        self.fp8 = [_fp8_ready(layer) for layer in self.layers]
-        self._next_inv: list[torch.Tensor | None] = [
-            _inv_scale(after.attention.qkv) if ready else None
-            for after, ready in zip(self.layers[1:], self.fp8[1:], strict=True)
-        ] + [None]
+        if fp8_epilogue is None:
+            fp8_epilogue = os.environ.get(FP8_EPILOGUE_ENV, "1") not in ("0", "false")
+        self.fp8 = self._fp8_plans(fp8_epilogue)
+
+    def _fp8_plans(self, epilogue: bool) -> list[Fp8Layer | None]:
+        """For each layer whose four projections are static tensor-wise FP8
+        (``_fp8_layer``): the next layer's QKV input scale, when that product
+        is FP8 too (this layer's closing LayerNorm writes its e4m3 input), and
+        with ``epilogue``, FFN-in as one cuBLASLt product that applies the
+        activation and writes FFN-out's e4m3 input (engine/cublaslt.py)."""
+        ready = [_fp8_ready(layer) for layer in self.layers]
+        act = {kernels.ACT_GELU_TANH: "gelu_tanh", kernels.ACT_RELU: "relu"}
+        plans: list[Fp8Layer | None] = []
+        for i, layer in enumerate(self.layers):
+            if not ready[i]:
+                plans.append(None)
+                continue
+            follows = i + 1 < len(self.layers) and ready[i + 1]
+            after = _inv_scale(self.layers[i + 1].attention.qkv) if follows else None
+            ffn_in = None
+            if epilogue and self.plan_act in act:
+                ffn_in = fp8_epilogue_gemm(
+                    layer.ffn_in, _inv_scale(layer.ffn_out), act[self.plan_act]
+                )
+            plans.append(Fp8Layer(after, ffn_in))
+        if any(plans):
+            fused = sum(1 for p in plans if p is not None and p.ffn_in is not None)
+            log.info(
+                "fp8: %d of %d layers run as FP8 layers, %d with FFN-in's "
+                "activation in cuBLASLt's epilogue",
+                sum(1 for p in plans if p is not None), len(plans), fused,
+            )  # fmt: skip
+        return plans
 
     def _available(self, weight: torch.Tensor) -> list[str]:
         forced = os.environ.get(ATTENTION_ENV, "auto")
@@ -310,11 +352,9 @@ class FusedForward:
     ) -> torch.Tensor:
         """Every encoder layer over x [tokens, hidden]."""
         x8 = None  # x as the next FP8 layer's e4m3 input, where written
-        for layer, fp8, after in zip(
-            self.layers, self.fp8, self._next_inv, strict=True
-        ):
-            if fp8:
-                x, x8 = self._fp8_layer(layer, x, x8, after, batch, length, keys)
+        for layer, fp8 in zip(self.layers, self.fp8, strict=True):
+            if fp8 is not None:
+                x, x8 = self._fp8_layer(layer, x, x8, fp8, batch, length, keys)
             else:
                 x, x8 = self._layer(layer, x, batch, length, keys), None
         return x
@@ -324,17 +364,17 @@ class FusedForward:
         layer: EncoderLayer,
         x: torch.Tensor,
         x8: torch.Tensor | None,
-        after: torch.Tensor | None,
+        plan: Fp8Layer,
         batch: int,
         length: int,
         keys: tuple[str, Any, bool],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A layer of four static tensor-wise FP8 products (engine/quant.Fp8Linear):
         each product's e4m3 input is written by the kernel before it (the
-        LayerNorm, the activation, a pass over the attention's output), and
-        cuBLASLt adds the biases. Returns the layer's output and, where
-        ``after`` (the next QKV product's 1 / input scale) is given, the
-        same rows as that product's e4m3 input."""
+        LayerNorm, FFN-in's epilogue or an activation pass, a pass over the
+        attention's output), and cuBLASLt adds the biases. Returns the
+        layer's output and, where the plan has the next QKV product's input
+        scale, the same rows as that product's e4m3 input."""
         att = layer.attention
         qkv, out, ffn_in, ffn_out = att.qkv, att.out, layer.ffn_in, layer.ffn_out
         pdl = self._dependent(len(x))
@@ -346,14 +386,17 @@ class FusedForward:
         x, h8 = kernels.add_layer_norm_e4m3(
             out(context8), x, norm.weight, norm.bias, self.eps, _inv_scale(ffn_in), pdl
         )
-        inner8 = kernels.quantize_e4m3(
-            ffn_in(h8), _inv_scale(ffn_out), self.plan_act, pdl
-        )
+        if plan.ffn_in is not None:
+            inner8 = plan.ffn_in(h8)
+        else:
+            inner8 = kernels.quantize_e4m3(
+                ffn_in(h8), _inv_scale(ffn_out), self.plan_act, pdl
+            )
         y, norm = ffn_out(inner8), layer.norm2
-        if after is None:
+        if plan.after is None:
             return add_layer_norm(y, x, norm.weight, norm.bias, self.eps, pdl=pdl), None
         return kernels.add_layer_norm_e4m3(
-            y, x, norm.weight, norm.bias, self.eps, after, pdl
+            y, x, norm.weight, norm.bias, self.eps, plan.after, pdl
         )
 
     def _layer(

@@ -485,7 +485,9 @@ def test_fp8_entry_runs_its_layers_as_fp8_layers(refs: Fixtures) -> None:
     cuda = CudaBackend("cuda:0")
     cuda.load(entry)
     runner = cuda.runner("intent")
-    assert all(runner.forward.fp8), "the FP8 layers fell back to module calls"
+    plans = runner.forward.fp8
+    assert all(p is not None for p in plans), "FP8 layers fell back to module calls"
+    assert all(p.ffn_in is not None for p in plans if p), "no cuBLASLt epilogue"
     cuda.warmup("intent", bucket_shapes(entry.buckets, 32, TOKEN_BUDGET))
     ids, lengths = random_batch(8, 32, runner.vocab, seed=11)
     graphed = cuda.run_bytes("intent", ids.tobytes(), lengths.tobytes(), 8, 32)[0]
@@ -497,6 +499,38 @@ def test_fp8_entry_runs_its_layers_as_fp8_layers(refs: Fixtures) -> None:
         eager = runner.forward(ids_d, lengths_d).float().cpu().numpy()
     live = lengths > 0
     assert cosine(graphed[live], eager[live]).min() > 0.9999
+
+
+@pytest.mark.parametrize("epilogue", ["gelu_tanh", "relu"])
+def test_cublaslt_epilogue_equals_product_then_pass(epilogue: str) -> None:
+    """FFN-in as one cuBLASLt call (activation, e4m3 out) computes what
+    _scaled_mm then berth's activation pass compute, saturating, and reads
+    its scales at each run (a graph replays with new ones)."""
+    from engine import cublaslt, kernels, quant
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(768, 3072, device="cuda")
+    x = torch.randn(4096, 768, device="cuda")
+    fp8 = quant.Fp8Linear(linear, float(x.abs().max()))
+    out_inv = torch.tensor(40.0, device="cuda")
+    gemm = cublaslt.fp8_epilogue_gemm(fp8, out_inv, epilogue)
+    assert gemm is not None
+    act = kernels.ACT_GELU_TANH if epilogue == "gelu_tanh" else kernels.ACT_RELU
+    x8 = kernels.quantize_e4m3(x.half(), fp8.input_inv_scale)
+    for rows in (4096, 128, 7):
+        got = gemm(x8[:rows]).float()
+        want = kernels.quantize_e4m3(fp8(x8[:rows]), out_inv, act).float()
+        # the fp16 product rounds before the pass; cuBLASLt does not
+        assert ((got - want).abs() <= want.abs() / 8 + 2**-9).all()
+        assert (got == want).float().mean() > 0.97
+        assert torch.isfinite(got).all() and got.abs().max() == 448.0
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = gemm(x8)
+    out_inv.fill_(1.0)
+    graph.replay()
+    want = kernels.quantize_e4m3(fp8(x8), out_inv, act).float()
+    assert (captured.float() == want).float().mean() > 0.97
 
 
 @pytest.mark.parametrize("act", [0, 1, 2, 3])

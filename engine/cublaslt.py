@@ -1,0 +1,278 @@
+"""FP8 products whose epilogue applies the activation and writes e4m3 (cuBLASLt).
+
+The fused forward's FP8 layer (engine/fused.py) feeds FFN-out with FFN-in's
+activations in e4m3. ``torch._scaled_mm`` takes no epilogue but a bias, so
+with it FFN-in writes fp16 and a separate pass (engine/kernels.quantize_e4m3)
+applies GELU and writes e4m3: on the H200 at 16,384 tokens, 73 us of product
+and 39 us of pass a layer, and a fused Triton FP8 product was no faster than
+the two (112.8 us at best of 16 configurations, probe of session 12). cuBLASLt
+itself takes bias + GELU (or ReLU) and an e4m3 output with its scale in the
+epilogue; torch does not expose that call, so :class:`Fp8EpilogueGemm` makes
+it through ctypes, against the libcublasLt that torch has already loaded.
+
+    D [M, N] = e4m3(act(x8 [M, K] @ w8 [N, K]^T * scale_w * scale_x + bias) / scale_out)
+
+Every scale is a device scalar read when the product runs (a CUDA graph
+replays with the current ones). A plan (matrix layouts, the algorithm
+cuBLASLt's heuristic picks) is made per token count at its first call;
+cublasLtMatmul itself only enqueues work on torch's current stream, so it is
+captured into CUDA graphs like any kernel. Where any of it is missing (no
+CUDA, no libcublasLt, a heuristic with no algorithm), :func:`fp8_epilogue_gemm`
+returns None and the caller keeps the separate pass.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+log = logging.getLogger("berth.engine")
+
+# cublasLt.h (CUDA 12 and 13).
+CUDA_R_32F, CUDA_R_16F, CUDA_R_8F_E4M3 = 0, 2, 28
+CUBLAS_COMPUTE_32F = 68
+OP_N, OP_T = 0, 1
+DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE, DESC_BIAS_POINTER = 3, 4, 7, 8
+DESC_A_SCALE_POINTER, DESC_B_SCALE_POINTER, DESC_D_SCALE_POINTER = 17, 18, 20
+DESC_FAST_ACCUM, DESC_BIAS_DATA_TYPE = 25, 26
+PREF_MAX_WORKSPACE_BYTES = 1
+EPILOGUE_RELU_BIAS, EPILOGUE_GELU_BIAS = 6, 36  # GELU: its tanh form
+# What cuBLASLt may use as scratch (NVIDIA's advice for Hopper).
+WORKSPACE_BYTES = 32 << 20
+
+
+class _Heuristic(ctypes.Structure):
+    """cublasLtMatmulHeuristicResult_t."""
+
+    _fields_ = [
+        ("algo", ctypes.c_uint64 * 8),
+        ("workspace_size", ctypes.c_size_t),
+        ("state", ctypes.c_int),
+        ("waves", ctypes.c_float),
+        ("reserved", ctypes.c_int * 4),
+    ]
+
+
+class CublasLtError(RuntimeError):
+    pass
+
+
+class Plan(NamedTuple):
+    """A product's layouts for one token count, and cuBLASLt's algorithm."""
+
+    x: ctypes.c_void_p
+    c: ctypes.c_void_p
+    d: ctypes.c_void_p
+    found: _Heuristic
+
+
+_P, _INT, _SIZE = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+_SIGNATURES: dict[str, list[type]] = {
+    "cublasLtCreate": [_P],
+    "cublasLtMatmulDescCreate": [_P, _INT, _INT],
+    "cublasLtMatmulDescSetAttribute": [_P, _INT, _P, _SIZE],
+    "cublasLtMatrixLayoutCreate": [
+        _P,
+        _INT,
+        ctypes.c_uint64,
+        ctypes.c_uint64,
+        ctypes.c_int64,
+    ],
+    "cublasLtMatmulPreferenceCreate": [_P],
+    "cublasLtMatmulPreferenceSetAttribute": [_P, _INT, _P, _SIZE],
+    # handle, op, A, B, C, D layouts, preference, count, results, found
+    "cublasLtMatmulAlgoGetHeuristic": [_P] * 7 + [_INT, _P, _P],
+    # handle, op, alpha, A, A layout, B, B layout, beta, C, C layout, D,
+    # D layout, algorithm, workspace, its size, stream
+    "cublasLtMatmul": [_P] * 14 + [_SIZE, _P],
+}
+
+
+class _Library:
+    """libcublasLt's calls, each checked; one handle and workspace per device."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        self.handles: dict[int, tuple[ctypes.c_void_p, torch.Tensor]] = {}
+
+    def call(self, name: str, *args: object) -> None:
+        status = getattr(self.lib, name)(*args)
+        if status != 0:
+            raise CublasLtError(f"{name} returned cublasStatus {status}")
+
+    def handle(self, device: torch.device) -> tuple[ctypes.c_void_p, torch.Tensor]:
+        index = (
+            device.index if device.index is not None else torch.cuda.current_device()
+        )
+        if index not in self.handles:
+            handle = ctypes.c_void_p()
+            with torch.cuda.device(index):
+                self.call("cublasLtCreate", ctypes.byref(handle))
+            space = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+            self.handles[index] = (handle, space)
+        return self.handles[index]
+
+
+_library: _Library | None = None
+_library_error: str | None = None
+
+
+def _load(device: torch.device) -> _Library:
+    """The libcublasLt torch uses (loaded by a first product if need be)."""
+    global _library, _library_error
+    if _library is not None:
+        return _library
+    if _library_error is not None:
+        raise CublasLtError(_library_error)
+    try:
+        a = torch.ones(16, 16, device=device, dtype=torch.float16)
+        torch.mm(a, a)  # torch loads cuBLAS and cuBLASLt on its first product
+        maps = Path("/proc/self/maps").read_text().splitlines()
+        paths = {line.split()[-1] for line in maps if "libcublasLt.so" in line}
+        if not paths:
+            raise CublasLtError("no libcublasLt in this process")
+        _library = _Library(ctypes.CDLL(sorted(paths)[0]))
+    except (OSError, AttributeError, RuntimeError) as exc:
+        _library_error = f"cuBLASLt unavailable: {exc}"
+        raise CublasLtError(_library_error) from exc
+    return _library
+
+
+def _set(
+    lib: _Library, desc: ctypes.c_void_p, attr: int, value: ctypes._SimpleCData[Any]
+) -> None:
+    lib.call(
+        "cublasLtMatmulDescSetAttribute",
+        desc, attr, ctypes.byref(value), ctypes.sizeof(value),
+    )  # fmt: skip
+
+
+class Fp8EpilogueGemm:
+    """``act(x8 @ weight8^T * scale_w * scale_x + bias)`` as e4m3 in
+    ``1 / out_inv_scale``, one cuBLASLt call (module docstring)."""
+
+    def __init__(
+        self,
+        weight8: torch.Tensor,
+        weight_scale: torch.Tensor,
+        input_scale: torch.Tensor,
+        bias: torch.Tensor,
+        out_inv_scale: torch.Tensor,
+        epilogue: int = EPILOGUE_GELU_BIAS,
+    ) -> None:
+        if weight8.dtype != torch.float8_e4m3fn or bias.dtype != torch.float16:
+            raise ValueError("an e4m3 weight and an fp16 bias")
+        self.device = weight8.device
+        self.lib = _load(self.device)
+        self.handle, self.workspace = self.lib.handle(self.device)
+        self.n, self.k = weight8.shape
+        # Kept alive here: cuBLASLt holds their addresses.
+        self.tensors = (weight8, weight_scale, input_scale, bias, out_inv_scale)
+        self.weight8 = weight8
+        self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        lib, desc = self.lib, ctypes.c_void_p()
+        lib.call(
+            "cublasLtMatmulDescCreate",
+            ctypes.byref(desc),
+            CUBLAS_COMPUTE_32F,
+            CUDA_R_32F,
+        )
+        # Column-major, as cuBLAS sees row-major tensors: D^T [N, M] = W [N, K]
+        # . X^T [K, M], i.e. A = the weight, transposed (FP8 wants "TN").
+        _set(lib, desc, DESC_TRANSA, ctypes.c_int32(OP_T))
+        _set(lib, desc, DESC_TRANSB, ctypes.c_int32(OP_N))
+        _set(lib, desc, DESC_EPILOGUE, ctypes.c_uint32(epilogue))
+        _set(lib, desc, DESC_BIAS_POINTER, ctypes.c_void_p(bias.data_ptr()))
+        _set(lib, desc, DESC_BIAS_DATA_TYPE, ctypes.c_int32(CUDA_R_16F))
+        _set(lib, desc, DESC_A_SCALE_POINTER, ctypes.c_void_p(weight_scale.data_ptr()))
+        _set(lib, desc, DESC_B_SCALE_POINTER, ctypes.c_void_p(input_scale.data_ptr()))
+        _set(lib, desc, DESC_D_SCALE_POINTER, ctypes.c_void_p(out_inv_scale.data_ptr()))
+        _set(lib, desc, DESC_FAST_ACCUM, ctypes.c_int8(1))
+        self.desc = desc
+        self.a_layout = self._layout(CUDA_R_8F_E4M3, self.k, self.n, self.k)
+        self.plans: dict[int, Plan] = {}
+        self.plan(16)  # fails here, at load, where cuBLASLt has no algorithm
+
+    def _layout(self, dtype: int, rows: int, cols: int, ld: int) -> ctypes.c_void_p:
+        layout = ctypes.c_void_p()
+        self.lib.call(
+            "cublasLtMatrixLayoutCreate", ctypes.byref(layout), dtype, rows, cols, ld
+        )
+        return layout
+
+    def plan(self, m: int) -> Plan:
+        """The layouts and the algorithm for m tokens."""
+        if m in self.plans:
+            return self.plans[m]
+        b = self._layout(CUDA_R_8F_E4M3, self.k, m, self.k)
+        c = self._layout(CUDA_R_16F, self.n, m, self.n)  # beta = 0: never read
+        d = self._layout(CUDA_R_8F_E4M3, self.n, m, self.n)
+        pref = ctypes.c_void_p()
+        self.lib.call("cublasLtMatmulPreferenceCreate", ctypes.byref(pref))
+        size = ctypes.c_uint64(WORKSPACE_BYTES)
+        self.lib.call(
+            "cublasLtMatmulPreferenceSetAttribute",
+            pref, PREF_MAX_WORKSPACE_BYTES, ctypes.byref(size), ctypes.sizeof(size),
+        )  # fmt: skip
+        found, count = _Heuristic(), ctypes.c_int(0)
+        self.lib.call(
+            "cublasLtMatmulAlgoGetHeuristic",
+            self.handle, self.desc, self.a_layout, b, c, d, pref, 1,
+            ctypes.byref(found), ctypes.byref(count),
+        )  # fmt: skip
+        if count.value < 1:
+            raise CublasLtError(f"no cuBLASLt algorithm for {m}x{self.n}x{self.k}")
+        self.plans[m] = Plan(b, c, d, found)
+        return self.plans[m]
+
+    def __call__(self, x8: torch.Tensor) -> torch.Tensor:
+        """x8 [M, K] e4m3 (contiguous) -> [M, N] e4m3, on the current stream."""
+        m = x8.shape[0]
+        b, c, d, found = self.plan(m)
+        out = torch.empty((m, self.n), dtype=torch.float8_e4m3fn, device=self.device)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self.lib.call(
+            "cublasLtMatmul",
+            self.handle, self.desc, ctypes.byref(self.alpha),
+            self.weight8.data_ptr(), self.a_layout, x8.data_ptr(), b,
+            ctypes.byref(self.beta), out.data_ptr(), c, out.data_ptr(), d,
+            ctypes.byref(found.algo), self.workspace.data_ptr(), WORKSPACE_BYTES,
+            stream,
+        )  # fmt: skip
+        return out
+
+
+def fp8_epilogue_gemm(
+    linear: torch.nn.Module, out_inv_scale: torch.Tensor, act: str
+) -> Fp8EpilogueGemm | None:
+    """The fused product for an FP8 linear (engine/quant.Fp8Linear, tensor-wise)
+    followed by ``act`` ("gelu_tanh" or "relu"), or None (and why, logged once
+    per reason) where it cannot run here."""
+    epilogue = {"gelu_tanh": EPILOGUE_GELU_BIAS, "relu": EPILOGUE_RELU_BIAS}.get(act)
+    weight8 = getattr(linear, "weight8", None)
+    if epilogue is None or weight8 is None or not weight8.is_cuda:
+        return None
+    try:
+        return Fp8EpilogueGemm(
+            weight8,
+            linear.weight_scale,  # type: ignore[arg-type]
+            linear.input_scale,  # type: ignore[arg-type]
+            linear.bias,  # type: ignore[arg-type]
+            out_inv_scale,
+            epilogue,
+        )
+    except (CublasLtError, ValueError) as exc:
+        if str(exc) not in _logged:
+            _logged.add(str(exc))
+            log.warning("fp8: FFN-in keeps a separate activation pass: %s", exc)
+        return None
+
+
+_logged: set[str] = set()
