@@ -212,7 +212,9 @@ class Fp8EpilogueGemm:
         if m in self.plans:
             return self.plans[m]
         b = self._layout(CUDA_R_8F_E4M3, self.k, m, self.k)
-        c = self._layout(CUDA_R_16F, self.n, m, self.n)  # beta = 0: never read
+        # No C (beta = 0, the pointer NULL), but its layout: cuBLASLt wants the
+        # bias's type there when D is e4m3.
+        c = self._layout(CUDA_R_16F, self.n, m, self.n)
         d = self._layout(CUDA_R_8F_E4M3, self.n, m, self.n)
         pref = ctypes.c_void_p()
         self.lib.call("cublasLtMatmulPreferenceCreate", ctypes.byref(pref))
@@ -242,7 +244,7 @@ class Fp8EpilogueGemm:
             "cublasLtMatmul",
             self.handle, self.desc, ctypes.byref(self.alpha),
             self.weight8.data_ptr(), self.a_layout, x8.data_ptr(), b,
-            ctypes.byref(self.beta), out.data_ptr(), c, out.data_ptr(), d,
+            ctypes.byref(self.beta), None, c, out.data_ptr(), d,
             ctypes.byref(found.algo), self.workspace.data_ptr(), WORKSPACE_BYTES,
             stream,
         )  # fmt: skip
