@@ -18,7 +18,8 @@ cuBLASLt's heuristic picks) is made per token count at its first call;
 cublasLtMatmul itself only enqueues work on torch's current stream, so it is
 captured into CUDA graphs like any kernel. Where any of it is missing (no
 CUDA, no libcublasLt, a heuristic with no algorithm), :func:`fp8_epilogue_gemm`
-returns None and the caller keeps the separate pass.
+returns None and the caller keeps the separate pass. The engine takes this
+path only with ``BERTH_FP8_EPILOGUE=1`` (engine/fused.py says why).
 """
 
 from __future__ import annotations

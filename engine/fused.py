@@ -50,8 +50,11 @@ ATTENTION_ENV = "BERTH_ATTENTION"
 ATTENTION_KINDS = ("flash", "triton", "sdpa")
 # BERTH_PDL=0: kernels launched the classic way (no dependent launches).
 PDL_ENV = "BERTH_PDL"
-# BERTH_FP8_EPILOGUE=0: FP8 layers apply FFN-in's activation in a separate pass
-# instead of cuBLASLt's epilogue (engine/cublaslt.py).
+# BERTH_FP8_EPILOGUE=1: FP8 layers apply FFN-in's activation in cuBLASLt's
+# epilogue (engine/cublaslt.py) instead of a separate pass: 1.07x the FP8
+# engine at 128 x 128 on the H200, but one of three runs of the gpu tests saw
+# a CUDA graph capture fail with it, for a reason not found (notes/gpu.md,
+# session 12), so it is not the default.
 FP8_EPILOGUE_ENV = "BERTH_FP8_EPILOGUE"
 
 
@@ -133,7 +136,7 @@ class FusedForward:
         self._starts: dict[tuple[int, int], torch.Tensor] = {}
         self._plans: dict[int, dict[str, kernels.LinearConfig]] = {}  # by tokens
         if fp8_epilogue is None:
-            fp8_epilogue = os.environ.get(FP8_EPILOGUE_ENV, "1") not in ("0", "false")
+            fp8_epilogue = os.environ.get(FP8_EPILOGUE_ENV, "0") in ("1", "true")
         self.fp8 = self._fp8_plans(fp8_epilogue)
 
     def _fp8_plans(self, epilogue: bool) -> list[Fp8Layer | None]:

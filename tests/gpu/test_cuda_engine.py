@@ -487,7 +487,6 @@ def test_fp8_entry_runs_its_layers_as_fp8_layers(refs: Fixtures) -> None:
     runner = cuda.runner("intent")
     plans = runner.forward.fp8
     assert all(p is not None for p in plans), "FP8 layers fell back to module calls"
-    assert all(p.ffn_in is not None for p in plans if p), "no cuBLASLt epilogue"
     cuda.warmup("intent", bucket_shapes(entry.buckets, 32, TOKEN_BUDGET))
     ids, lengths = random_batch(8, 32, runner.vocab, seed=11)
     graphed = cuda.run_bytes("intent", ids.tobytes(), lengths.tobytes(), 8, 32)[0]
@@ -512,7 +511,7 @@ def test_cublaslt_epilogue_equals_product_then_pass(epilogue: str) -> None:
     linear = torch.nn.Linear(768, 3072, device="cuda")
     x = torch.randn(4096, 768, device="cuda")
     fp8 = quant.Fp8Linear(linear, float(x.abs().max()))
-    out_inv = torch.tensor(40.0, device="cuda")
+    out_inv = torch.tensor(400.0, device="cuda")  # the largest saturate
     gemm = cublaslt.fp8_epilogue_gemm(fp8, out_inv, epilogue)
     assert gemm is not None
     act = kernels.ACT_GELU_TANH if epilogue == "gelu_tanh" else kernels.ACT_RELU
@@ -527,10 +526,39 @@ def test_cublaslt_epilogue_equals_product_then_pass(epilogue: str) -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = gemm(x8)
-    out_inv.fill_(1.0)
+    out_inv.fill_(40.0)
     graph.replay()
     want = kernels.quantize_e4m3(fp8(x8), out_inv, act).float()
     assert (captured.float() == want).float().mean() > 0.97
+
+
+def test_fp8_forward_with_the_cublaslt_epilogue_in_graphs(refs: Fixtures) -> None:
+    """BERTH_FP8_EPILOGUE=1's forward: FFN-in in cuBLASLt's epilogue in
+    every layer, graphs equal to its eager runs and close to the default's."""
+    from engine import quant
+
+    entry = refs.entries["intent"]
+    cuda = CudaBackend("cuda:0")
+    cuda.load(dataclasses.replace(entry, quantize="fp8"))
+    served = cuda.runner("intent").forward.served
+    fused = FusedForward(served, fp8_epilogue=True)
+    assert all(p is not None and p.ffn_in is not None for p in fused.fp8)
+    plain = FusedForward(served)
+    assert all(p is not None and p.ffn_in is None for p in plain.fp8)
+    assert isinstance(served.encoder.layers[0].ffn_in, quant.Fp8Linear)
+    ids, lengths = random_batch(32, 128, cuda.runner("intent").vocab, seed=4)
+    ids_d, lengths_d = torch.from_numpy(ids).cuda(), torch.from_numpy(lengths).cuda()
+    with torch.inference_mode():
+        eager = fused(ids_d, lengths_d).float()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = fused(ids_d, lengths_d)
+        graph.replay()
+        default = plain(ids_d, lengths_d).float()
+    live = torch.from_numpy(lengths > 0).cuda()
+    torch.testing.assert_close(captured.float(), eager)
+    cos = torch.nn.functional.cosine_similarity(eager[live], default[live])
+    assert cos.min() > 0.999
 
 
 @pytest.mark.parametrize("act", [0, 1, 2, 3])
