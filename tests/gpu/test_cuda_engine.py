@@ -544,7 +544,7 @@ def test_fp8_forward_with_the_cublaslt_epilogue_in_graphs(refs: Fixtures) -> Non
     served = cuda.runner("intent").forward.served
     fused = FusedForward(served, fp8_epilogue=True)
     assert all(p is not None and p.ffn_in is not None for p in fused.fp8)
-    plain = FusedForward(served)
+    plain = FusedForward(served, fp8_epilogue=False)
     assert all(p is not None and p.ffn_in is None for p in plain.fp8)
     assert isinstance(served.encoder.layers[0].ffn_in, quant.Fp8Linear)
     ids, lengths = random_batch(32, 128, cuda.runner("intent").vocab, seed=4)
