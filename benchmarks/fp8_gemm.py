@@ -9,8 +9,8 @@ the product's epilogue:
 - ``fp8``: ``torch._scaled_mm``, one scale per tensor, fp16 out (what
   engine/quant.Fp8Linear serves);
 - ``fp8 row-wise``: one scale per weight channel and per token, bf16 out;
-- ``fp8, e4m3 out``: tensor-wise, the output itself e4m3 (no bias: torch
-  takes none there), what a product costs when it writes half the bytes;
+- ``fp8, e4m3 out``: tensor-wise, the output itself e4m3 (timed without
+  the bias), what a product costs when it writes half the bytes;
 - ``e4m3 pass``: quantizing the input in a separate pass
   (engine/kernels.quantize_e4m3 where Triton runs), what a product pays
   when its producer cannot write e4m3 itself;
@@ -43,6 +43,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from engine import kernels  # noqa: E402
+from engine.fused import time_in_graph  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 # (name, out features, in features) of a BERT-base layer's projections.
@@ -50,31 +51,6 @@ SHAPES = [("qkv", 2304, 768), ("out", 768, 768), ("ffn_in", 3072, 768)]
 SHAPES.append(("ffn_out", 768, 3072))
 VARIANTS = ["fp16", "fp8", "fp8 row-wise", "fp8, e4m3 out", "e4m3 pass"]
 VARIANTS.append("fp8 + GELU, e4m3 out")
-
-
-def graph_us(fn: Callable[[], object], calls: int = 20, rounds: int = 7) -> float:
-    """Microseconds per call of fn's GPU work, ``calls`` calls in one graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    best = float("inf")
-    for _ in range(rounds):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000 / calls)
-    return best
 
 
 def products(tokens: int, n: int, k: int) -> dict[str, Callable[[], object]]:
@@ -133,7 +109,7 @@ def main() -> None:
             row: dict[str, object] = {"tokens": tokens, "projection": name}
             for variant, fn in products(tokens, n, k).items():
                 try:
-                    row[variant] = round(graph_us(fn), 2)
+                    row[variant] = round(time_in_graph(fn, 20, 7) * 1000, 2)
                 except (RuntimeError, TypeError) as exc:  # a layout this torch lacks
                     row[variant] = f"{type(exc).__name__}: {exc}"[:200]
             rows.append(row)

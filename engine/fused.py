@@ -51,9 +51,9 @@ ATTENTION_KINDS = ("flash", "triton", "sdpa")
 # BERTH_PDL=0: kernels launched the classic way (no dependent launches).
 PDL_ENV = "BERTH_PDL"
 # BERTH_FP8_EPILOGUE=1: FP8 layers apply FFN-in's activation in cuBLASLt's
-# epilogue (engine/cublaslt.py) instead of a separate pass: 1.07x the FP8
-# engine at 128 x 128 on the H200, but one of three runs of the gpu tests saw
-# a CUDA graph capture fail with it, for a reason not found (notes/gpu.md,
+# epilogue (engine/cublaslt.py) instead of a separate pass: 1.06-1.07x the FP8
+# engine at 128 x 128 on the H200, but one of four full runs of the gpu tests
+# with it saw a CUDA graph capture fail, for a reason not found (notes/gpu.md,
 # session 12), so it is not the default.
 FP8_EPILOGUE_ENV = "BERTH_FP8_EPILOGUE"
 
@@ -258,7 +258,7 @@ class FusedForward:
 
     def choose_attention(self, batch: int, length: int, packed: bool = False) -> str:
         """The faster attention kernel for this shape, timed in a CUDA graph
-        (``_time``; random inputs, lengths in (L/2, L]; rows packed as the
+        (``time_in_graph``; random inputs, lengths in (L/2, L]; rows packed as the
         graph will run them when ``packed``); remembered for the graphs.
         Shapes whose kernels launch dependent take berth's Triton kernel
         untimed: it waits inside the chain, where flash's classic launch
@@ -312,7 +312,7 @@ class FusedForward:
         length: int,
     ) -> str:
         """The candidate whose attention over random qkv [tokens, 3H] is
-        fastest in a CUDA graph (``_time``); one that cannot run the shape is
+        fastest in a CUDA graph (``time_in_graph``); one that cannot run the shape is
         skipped with a warning."""
         weight = self.encoder.embeddings.word.weight
         qkv = torch.randn(
@@ -322,7 +322,7 @@ class FusedForward:
         timings = {}
         for kind, keys in candidates.items():
             try:
-                timings[kind] = _time(
+                timings[kind] = time_in_graph(
                     lambda keys=keys: self._attend(qkv, batch, length, keys)
                 )
             except RuntimeError as exc:  # a kernel that cannot run this shape
@@ -543,7 +543,7 @@ def _packed_starts(used: torch.Tensor) -> torch.Tensor:
     return F.pad(used.cumsum(0, dtype=torch.int32), (1, 0))
 
 
-def _time(fn: Any, calls: int = 10, rounds: int = 3) -> float:
+def time_in_graph(fn: Any, calls: int = 10, rounds: int = 3) -> float:
     """Milliseconds per call of fn's GPU work: ``calls`` calls captured in one
     CUDA graph, as the engine will run them, the best of a few replays.
 

@@ -1,6 +1,10 @@
 """Triton kernels of the fused forward, each with a plain-torch fallback.
 
 - ``add_layer_norm``: LayerNorm(x + residual), one pass;
+  ``add_layer_norm_e4m3`` also writes the rows as the next FP8 product's
+  e4m3 input;
+- ``quantize_e4m3``: act(x) / scale as e4m3, one pass (an FP8 product's
+  input where its producer cannot write e4m3 itself);
 - ``embed_layer_norm``: word + position + type-0 embeddings, then LayerNorm;
 - ``mean_pool``: the float32 mean of each row's real tokens;
 - ``attention``: softmax(QK^T / sqrt(d)) V straight from the fused QKV
