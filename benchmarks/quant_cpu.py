@@ -112,8 +112,10 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     args = parse_args()
     entries = load_repository(find_repository(args.model_repository))
-    texts = calibration.evaluation_texts()
-    texts = texts[: args.texts] if args.texts else texts
+    texts, kinds = calibration.evaluation_texts(), calibration.evaluation_kinds()
+    texts, kinds = (
+        (texts[: args.texts], kinds[: args.texts]) if args.texts else (texts, kinds)
+    )
     cache = Path(tempfile.mkdtemp(prefix="berth-cache-"))
     variants: list[tuple[str, Callable[[ModelEntry], Run]]] = [
         ("torch fp32", lambda e: torch_runner(e, "none")),
@@ -153,10 +155,9 @@ def main() -> None:
         emb, _ = one_pass(make(entries["minilm"]), batches["minilm"])
         ref_emb = emb if ref_emb is None else ref_emb
         cos = cosines(emb, ref_emb)
-        agree = probs[name].argmax(axis=1) == reference.argmax(axis=1)
         rows[name] = {
             "seq_per_s": round(speed[name], 1),
-            "intent_agreement": round(float(agree.mean()), 5),
+            **calibration.intent_agreement(probs[name], reference, kinds),
             "mean_cosine": round(float(cos.mean()), 6),
             "min_cosine": round(float(cos.min()), 6),
         }
@@ -168,12 +169,14 @@ def main() -> None:
         f"{len(texts)} held-out texts, batches of 64 per bucket"
     )
     print(
-        f"{'variant':<18}{'seq/s':>9}{'speedup':>9}{'intent agree':>14}{'mean cos':>10}"
+        f"{'variant':<18}{'seq/s':>9}{'speedup':>9}{'intent agree':>14}"
+        f"{'utterances':>12}{'mean cos':>10}"
     )
     for name, row in rows.items():
         print(
             f"{name:<18}{row['seq_per_s']:>9.1f}{row['seq_per_s'] / base:>9.2f}"
-            f"{row['intent_agreement']:>14.4f}{row['mean_cosine']:>10.5f}"
+            f"{row['intent_agreement']:>14.4f}{row['intent_agreement_utterances']:>12.4f}"
+            f"{row['mean_cosine']:>10.5f}"
         )
     int8 = rows["torch int8"]
     result = {
@@ -185,6 +188,7 @@ def main() -> None:
         "cpu_int8_mean_cosine": int8["mean_cosine"],
         "cpu_int8_speedup": round(int8["seq_per_s"] / base, 3),
         "cpu_intent_agreement": int8["intent_agreement"],
+        "cpu_intent_agreement_utterances": int8["intent_agreement_utterances"],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -171,8 +171,9 @@ FP8_ACCURACY_VARIANTS: dict[str, dict[str, Any]] = {
 
 def accuracy(repo: Path, device: torch.device, result: dict[str, Any]) -> None:
     entries = load_repository(repo, gpu=True)
-    texts = calibration.evaluation_texts()
+    texts, kinds = calibration.evaluation_texts(), calibration.evaluation_kinds()
     result["accuracy_texts"] = len(texts)
+    result["accuracy_utterances"] = kinds.count("utterance")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     refs: dict[str, np.ndarray] = {}
@@ -211,12 +212,10 @@ def accuracy(repo: Path, device: torch.device, result: dict[str, Any]) -> None:
                 batches["intent"],
                 device,
             )
-            agree = probs.argmax(axis=1) == refs["intent"].argmax(axis=1)
             row = {
                 "mean_cosine": round(float(cos.mean()), 6),
                 "min_cosine": round(float(cos.min()), 6),
-                "intent_agreement": round(float(agree.mean()), 5),
-                "intent_disagreements": int((~agree).sum()),
+                **calibration.intent_agreement(probs, refs["intent"], kinds),
             }
         except Exception as exc:  # a variant that fails is reported, not fatal
             traceback.print_exc()
@@ -377,6 +376,7 @@ def summarize(result: dict[str, Any]) -> None:
             "mean_cosine": acc.get("mean_cosine"),
             "min_cosine": acc.get("min_cosine"),
             "intent_agreement": acc.get("intent_agreement"),
+            "intent_agreement_utterances": acc.get("intent_agreement_utterances"),
         }
     )
     if baseline and fp8:
@@ -397,15 +397,21 @@ def summarize(result: dict[str, Any]) -> None:
 
 def print_table(result: dict[str, Any]) -> None:
     print(f"\n{result['device']}  torch {result['torch']}  {result['date']}")
-    print(f"\naccuracy vs fp32 on {result.get('accuracy_texts')} texts")
-    print(f"{'variant':<20}{'mean cos':>10}{'min cos':>10}{'intent agree':>14}")
+    print(
+        f"\naccuracy vs fp32 on {result.get('accuracy_texts')} texts "
+        f"({result.get('accuracy_utterances')} of them utterances)"
+    )
+    print(
+        f"{'variant':<20}{'mean cos':>10}{'min cos':>10}{'intent agree':>14}"
+        f"{'utterances':>12}"
+    )
     for name, row in result.get("accuracy", {}).items():
         if "error" in row:
             print(f"{name:<20}  error: {row['error']}")
             continue
         print(
             f"{name:<20}{row['mean_cosine']:>10.5f}{row['min_cosine']:>10.5f}"
-            f"{row['intent_agreement']:>14.4f}"
+            f"{row['intent_agreement']:>14.4f}{row['intent_agreement_utterances']:>12.4f}"
         )
     print(
         f"\nspeed, BERT-base {BERT_BASE.num_layers}x{BERT_BASE.hidden_size}, b128 n128"
@@ -424,7 +430,7 @@ def print_table(result: dict[str, Any]) -> None:
             print(f"{name:<30}  {row.get('error') or row.get('skipped')}")
     print()
     keys = ["variant", "baseline", "speedup_b128_n128", "mean_cosine"]
-    keys += ["min_cosine", "intent_agreement"]
+    keys += ["min_cosine", "intent_agreement", "intent_agreement_utterances"]
     print(json.dumps({k: result.get(k) for k in keys}))
 
 

@@ -24,10 +24,27 @@ TEXTS_FILE = Path(__file__).with_name("data") / "calibration_texts.txt"
 CALIBRATION_COUNT = 256
 
 
+# What a text of the file is: a request to an assistant, or prose from a
+# package's description (an intent classifier's answer to prose is a near tie).
+KINDS = ("utterance", "prose")
+
+
+def read_labelled(path: Path = TEXTS_FILE) -> list[tuple[str, str]]:
+    """(kind, text) of every line: "<kind>\\t<text>", '#' comment lines skipped."""
+    labelled = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        kind, tab, text = line.partition("\t")
+        if not tab or kind not in KINDS or not text.strip():
+            raise ValueError(f"{path}:{number}: not '<{'|'.join(KINDS)}>\\t<text>'")
+        labelled.append((kind, text))
+    return labelled
+
+
 def read_texts(path: Path = TEXTS_FILE) -> list[str]:
-    """Every text of the file: one per line, '#' comment lines skipped."""
-    lines = path.read_text(encoding="utf-8").splitlines()
-    return [line for line in lines if line.strip() and not line.startswith("#")]
+    """Every text of the file, in its order."""
+    return [text for _, text in read_labelled(path)]
 
 
 def calibration_texts(path: Path = TEXTS_FILE) -> list[str]:
@@ -37,6 +54,27 @@ def calibration_texts(path: Path = TEXTS_FILE) -> list[str]:
 def evaluation_texts(path: Path = TEXTS_FILE) -> list[str]:
     """The texts after the calibration ones: never seen by a calibrator."""
     return read_texts(path)[CALIBRATION_COUNT:]
+
+
+def evaluation_kinds(path: Path = TEXTS_FILE) -> list[str]:
+    """The kind of each of :func:`evaluation_texts`."""
+    return [kind for kind, _ in read_labelled(path)[CALIBRATION_COUNT:]]
+
+
+def intent_agreement(
+    probs: np.ndarray, reference: np.ndarray, kinds: Sequence[str]
+) -> dict[str, float | int]:
+    """Top-1 agreement of a variant's intent probabilities [texts, labels] with
+    the reference's, over every text and over the utterances alone (prose
+    gets a near tie of the 157 labels, which any rounding may flip)."""
+    agree = probs.argmax(axis=1) == reference.argmax(axis=1)
+    utterances = np.asarray(kinds) == "utterance"
+    return {
+        "intent_agreement": round(float(agree.mean()), 5),
+        "intent_disagreements": int((~agree).sum()),
+        "intent_agreement_utterances": round(float(agree[utterances].mean()), 5),
+        "intent_disagreements_utterances": int((~agree[utterances]).sum()),
+    }
 
 
 def load_tokenizer(tokenizer_file: Path, max_tokens: int) -> Tokenizer:

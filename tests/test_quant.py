@@ -53,6 +53,32 @@ def test_calibration_texts_are_real_and_disjoint() -> None:
     assert len({len(t.split()) for t in held_out}) > 30  # varied lengths
 
 
+def test_texts_are_labelled_utterance_or_prose(tmp_path: Path) -> None:
+    kinds = calibration.evaluation_kinds()
+    assert len(kinds) == len(calibration.evaluation_texts())
+    labelled = calibration.read_labelled()
+    assert [k for k, _ in labelled].count("utterance") == 680  # as built (header)
+    assert [k for k, _ in labelled].count("prose") == 360
+    assert kinds.count("utterance") >= 500
+    bad = tmp_path / "texts.txt"
+    bad.write_text("# a comment\nutterance\tset a timer\nset an alarm\n")
+    with pytest.raises(ValueError, match=r"texts.txt:3: not '<utterance\|prose>"):
+        calibration.read_labelled(bad)
+
+
+def test_intent_agreement_counts_utterances_apart() -> None:
+    reference = np.eye(4)[[0, 1, 2, 3]]
+    probs = np.eye(4)[[0, 1, 3, 3]]  # the third text (prose) flips
+    kinds = ["utterance", "utterance", "prose", "utterance"]
+    got = calibration.intent_agreement(probs, reference, kinds)
+    assert got == {
+        "intent_agreement": 0.75,
+        "intent_disagreements": 1,
+        "intent_agreement_utterances": 1.0,
+        "intent_disagreements_utterances": 0,
+    }
+
+
 def test_pad_batches_groups_by_bucket_and_restores_order() -> None:
     seqs = [[1] * n for n in (3, 9, 4, 17, 1)]
     batches = calibration.pad_batches(seqs, [4, 8, 32], batch_size=2)
