@@ -85,6 +85,7 @@ _SIGNATURES: dict[str, list[type]] = {
     ],
     "cublasLtMatmulPreferenceCreate": [_P],
     "cublasLtMatmulPreferenceSetAttribute": [_P, _INT, _P, _SIZE],
+    "cublasLtMatmulPreferenceDestroy": [_P],
     # handle, op, A, B, C, D layouts, preference, count, results, found
     "cublasLtMatmulAlgoGetHeuristic": [_P] * 7 + [_INT, _P, _P],
     # handle, op, alpha, A, A layout, B, B layout, beta, C, C layout, D,
@@ -94,7 +95,11 @@ _SIGNATURES: dict[str, list[type]] = {
 
 
 class _Library:
-    """libcublasLt's calls, each checked; one handle and workspace per device."""
+    """libcublasLt's calls, each checked; one handle and workspace per device.
+
+    One workspace serves every product on the device, so two of them must
+    not run at once on two streams: berth's engine runs one stream per GPU
+    (engine/cuda_backend.py), and a graph bakes the workspace's address in."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
@@ -225,11 +230,14 @@ class Fp8EpilogueGemm:
             pref, PREF_MAX_WORKSPACE_BYTES, ctypes.byref(size), ctypes.sizeof(size),
         )  # fmt: skip
         found, count = _Heuristic(), ctypes.c_int(0)
-        self.lib.call(
-            "cublasLtMatmulAlgoGetHeuristic",
-            self.handle, self.desc, self.a_layout, b, c, d, pref, 1,
-            ctypes.byref(found), ctypes.byref(count),
-        )  # fmt: skip
+        try:
+            self.lib.call(
+                "cublasLtMatmulAlgoGetHeuristic",
+                self.handle, self.desc, self.a_layout, b, c, d, pref, 1,
+                ctypes.byref(found), ctypes.byref(count),
+            )  # fmt: skip
+        finally:
+            self.lib.call("cublasLtMatmulPreferenceDestroy", pref)
         if count.value < 1:
             raise CublasLtError(f"no cuBLASLt algorithm for {m}x{self.n}x{self.k}")
         self.plans[m] = Plan(b, c, d, found)
