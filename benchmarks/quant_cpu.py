@@ -175,7 +175,8 @@ def main() -> None:
     for name, row in rows.items():
         print(
             f"{name:<18}{row['seq_per_s']:>9.1f}{row['seq_per_s'] / base:>9.2f}"
-            f"{row['intent_agreement']:>14.4f}{row['intent_agreement_utterances']:>12.4f}"
+            f"{row['intent_agreement']:>14.4f}"
+            f"{row['intent_agreement_utterances'] or float('nan'):>12.4f}"
             f"{row['mean_cosine']:>10.5f}"
         )
     int8 = rows["torch int8"]

@@ -411,7 +411,8 @@ def print_table(result: dict[str, Any]) -> None:
             continue
         print(
             f"{name:<20}{row['mean_cosine']:>10.5f}{row['min_cosine']:>10.5f}"
-            f"{row['intent_agreement']:>14.4f}{row['intent_agreement_utterances']:>12.4f}"
+            f"{row['intent_agreement']:>14.4f}"
+            f"{row['intent_agreement_utterances'] or float('nan'):>12.4f}"
         )
     print(
         f"\nspeed, BERT-base {BERT_BASE.num_layers}x{BERT_BASE.hidden_size}, b128 n128"

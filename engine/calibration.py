@@ -63,17 +63,19 @@ def evaluation_kinds(path: Path = TEXTS_FILE) -> list[str]:
 
 def intent_agreement(
     probs: np.ndarray, reference: np.ndarray, kinds: Sequence[str]
-) -> dict[str, float | int]:
+) -> dict[str, float | int | None]:
     """Top-1 agreement of a variant's intent probabilities [texts, labels] with
     the reference's, over every text and over the utterances alone (prose
     gets a near tie of the 157 labels, which any rounding may flip)."""
     agree = probs.argmax(axis=1) == reference.argmax(axis=1)
-    utterances = np.asarray(kinds) == "utterance"
+    on_utterances = agree[np.asarray(kinds) == "utterance"]
     return {
         "intent_agreement": round(float(agree.mean()), 5),
         "intent_disagreements": int((~agree).sum()),
-        "intent_agreement_utterances": round(float(agree[utterances].mean()), 5),
-        "intent_disagreements_utterances": int((~agree[utterances]).sum()),
+        "intent_agreement_utterances": (
+            round(float(on_utterances.mean()), 5) if on_utterances.size else None
+        ),
+        "intent_disagreements_utterances": int((~on_utterances).sum()),
     }
 
 

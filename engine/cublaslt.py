@@ -17,8 +17,9 @@ replays with the current ones). A plan (matrix layouts, the algorithm
 cuBLASLt's heuristic picks) is made per token count at its first call;
 cublasLtMatmul itself only enqueues work on torch's current stream, so it is
 captured into CUDA graphs like any kernel. Where any of it is missing (no
-CUDA, no libcublasLt, a heuristic with no algorithm), :func:`fp8_epilogue_gemm`
-returns None and the caller keeps the separate pass. The engine takes this
+CUDA, no libcublasLt, no algorithm at load), :func:`fp8_epilogue_gemm`
+returns None and the caller keeps the separate pass; a token count that has
+no algorithm takes the pass too (:meth:`Fp8EpilogueGemm.runs`). The engine takes this
 path only with ``BERTH_FP8_EPILOGUE=1`` (engine/fused.py says why).
 """
 
@@ -204,6 +205,7 @@ class Fp8EpilogueGemm:
         self.desc = desc
         self.a_layout = self._layout(CUDA_R_8F_E4M3, self.k, self.n, self.k)
         self.plans: dict[int, Plan] = {}
+        self.refused: set[int] = set()  # token counts with no algorithm
         self.plan(16)  # fails here, at load, where cuBLASLt has no algorithm
 
     def _layout(self, dtype: int, rows: int, cols: int, ld: int) -> ctypes.c_void_p:
@@ -238,13 +240,35 @@ class Fp8EpilogueGemm:
             )  # fmt: skip
         finally:
             self.lib.call("cublasLtMatmulPreferenceDestroy", pref)
-        if count.value < 1:
+        if count.value < 1 or found.state != 0:
             raise CublasLtError(f"no cuBLASLt algorithm for {m}x{self.n}x{self.k}")
         self.plans[m] = Plan(b, c, d, found)
         return self.plans[m]
 
+    def runs(self, m: int) -> bool:
+        """Whether m tokens have a plan (made now if need be: call it before a
+        graph capture); one without is logged once and takes the caller's pass."""
+        if m in self.plans:
+            return True
+        if m not in self.refused:
+            try:
+                self.plan(m)
+                return True
+            except CublasLtError as exc:
+                self.refused.add(m)
+                log.warning(
+                    "fp8: FFN-in at %d tokens takes the activation pass: %s", m, exc
+                )
+        return False
+
     def __call__(self, x8: torch.Tensor) -> torch.Tensor:
         """x8 [M, K] e4m3 (contiguous) -> [M, N] e4m3, on the current stream."""
+        if x8.dtype != torch.float8_e4m3fn or x8.shape[1:] != (self.k,):
+            raise ValueError(
+                f"e4m3 input [M, {self.k}] expected, got {x8.dtype} {tuple(x8.shape)}"
+            )
+        if not x8.is_contiguous() or x8.data_ptr() % 16:
+            raise ValueError("the input must be contiguous and 16-byte aligned")
         m = x8.shape[0]
         b, c, d, found = self.plan(m)
         out = torch.empty((m, self.n), dtype=torch.float8_e4m3fn, device=self.device)
@@ -268,7 +292,8 @@ def fp8_epilogue_gemm(
     per reason) where it cannot run here."""
     epilogue = {"gelu_tanh": EPILOGUE_GELU_BIAS, "relu": EPILOGUE_RELU_BIAS}.get(act)
     weight8 = getattr(linear, "weight8", None)
-    if epilogue is None or weight8 is None or not weight8.is_cuda:
+    tensorwise = getattr(linear, "static_tensorwise", False)  # one scale each
+    if epilogue is None or weight8 is None or not tensorwise or not weight8.is_cuda:
         return None
     try:
         return Fp8EpilogueGemm(

@@ -375,7 +375,9 @@ class FusedForward:
         """A layer of four static tensor-wise FP8 products (engine/quant.Fp8Linear):
         each product's e4m3 input is written by the kernel before it (the
         LayerNorm, FFN-in's epilogue or an activation pass, a pass over the
-        attention's output), and cuBLASLt adds the biases. Returns the
+        attention's output), and cuBLASLt adds the biases. The activation is
+        the fp16 engine's (``plan_act``: GELU's tanh form on the GPU, as its
+        cuBLASLt epilogue computes). Returns the
         layer's output and, where the plan has the next QKV product's input
         scale, the same rows as that product's e4m3 input."""
         att = layer.attention
@@ -389,7 +391,7 @@ class FusedForward:
         x, h8 = kernels.add_layer_norm_e4m3(
             out(context8), x, norm.weight, norm.bias, self.eps, _inv_scale(ffn_in), pdl
         )
-        if plan.ffn_in is not None:
+        if plan.ffn_in is not None and plan.ffn_in.runs(len(h8)):
             inner8 = plan.ffn_in(h8)
         else:
             inner8 = kernels.quantize_e4m3(

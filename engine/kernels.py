@@ -341,9 +341,12 @@ def add_layer_norm_e4m3(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(LayerNorm(x + residual), the same rows as e4m3 over ``1 / inv_scale``):
     the residual stream and the next FP8 matmul's input, in one pass."""
-    if not use_triton(x):
-        out = F.layer_norm(x + residual, x.shape[-1:], weight, bias, eps)
-        return out, to_e4m3(out, inv_scale)
+    if not use_triton(x):  # both from the float32 rows, as the kernel does
+        rows = F.layer_norm(
+            x.float() + residual.float(), x.shape[-1:], weight.float(),
+            bias.float(), eps,
+        )  # fmt: skip
+        return rows.to(x.dtype), to_e4m3(rows, inv_scale)
     out = torch.empty_like(x)
     out8 = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     _add_layer_norm(x, residual, weight, bias, eps, out, (out8, inv_scale), None, pdl)

@@ -263,13 +263,21 @@ def test_fp8_kernels_fall_back_to_what_they_compute() -> None:
     x = torch.randn(8, 64) * 40
     inv = torch.tensor(4.0)
     q = kernels.quantize_e4m3(x, inv, kernels.ACT_GELU_TANH)
-    want = quant.quantize_e4m3(torch.nn.functional.gelu(x, approximate="tanh"), inv)
+    gelu = torch.nn.functional.gelu(x, approximate="tanh")
+    want = (gelu * 4.0).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     assert q.dtype == torch.float8_e4m3fn and torch.equal(q.float(), want.float())
-    assert q.float().abs().max() == quant.E4M3_MAX  # saturated, no NaN
-    w, b, r = torch.randn(64), torch.randn(64), torch.randn(8, 64)
-    out, out8 = kernels.add_layer_norm_e4m3(x, r, w, b, 1e-12, inv)
-    torch.testing.assert_close(out, kernels.add_layer_norm(x, r, w, b, 1e-12))
-    assert torch.equal(out8.float(), quant.quantize_e4m3(out, inv).float())
+    assert q.float().abs().max() == 448.0  # saturated, no NaN
+    relu = kernels.quantize_e4m3(x, inv, kernels.ACT_RELU).float()
+    assert relu.min() == 0.0 and relu.abs().max() == 448.0
+    # the LayerNorm: fp16 rows out, and e4m3 of the same float32 rows
+    x16, r16 = x.half(), torch.randn(8, 64).half()
+    w, b = torch.randn(64), torch.randn(64)
+    out, out8 = kernels.add_layer_norm_e4m3(x16, r16, w, b, 1e-12, inv)
+    rows = torch.nn.functional.layer_norm(x16.float() + r16.float(), (64,), w, b, 1e-12)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out, rows.half())
+    want8 = (rows * 4.0).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    assert torch.equal(out8.float(), want8.float())
 
 
 def test_quantize_for_entry_checks_mode_and_device() -> None:

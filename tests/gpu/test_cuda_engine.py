@@ -589,8 +589,12 @@ def test_e4m3_kernels_equal_torchs_conversion(act: int) -> None:
     kernels.add_layer_norm_e4m3(x, r, w, b, 1e-12, inv)  # compile before capture
     with torch.cuda.graph(graph):
         out, out8 = kernels.add_layer_norm_e4m3(x, r, w, b, 1e-12, inv)
+        replayed = kernels.quantize_e4m3(x, inv, act)
     inv.fill_(2.0)
     graph.replay()
+    again = kernels.to_e4m3(kernels._activate_reference(x.float(), act), inv)
+    close = (replayed.float() - again.float()).abs() <= again.float().abs() / 8 + 2**-9
+    assert close.all() and (replayed.float() == again.float()).float().mean() > 0.99
     torch.testing.assert_close(out, kernels.add_layer_norm(x, r, w, b, 1e-12))
     # e4m3 of the float32 rows (the kernel quantizes before its fp16 rounding):
     # equal but where the two LayerNorms' float32 sums straddle an e4m3 tie
