@@ -134,6 +134,21 @@ def test_a_failed_direct_batch_is_answered_via_the_batcher(
     assert "a direct batch of minilm failed" in logs
 
 
+def test_a_retry_via_the_batcher_gets_what_is_left_of_the_deadline() -> None:
+    """A direct batch that failed goes via the batcher with the rest of its
+    deadline; one that failed after spending all of it ends as
+    DEADLINE_EXCEEDED, naming the failure; no deadline stays none."""
+    from gateway.inline import _left
+    from services.errors import DeadlineExceeded, EngineFailure
+
+    failure = EngineFailure("engine 127.0.0.1:1 failed the batch")
+    now = time.monotonic()
+    assert 700 <= _left(1000, now - 0.2, "minilm", failure) <= 800
+    assert _left(0, now - 60.0, "minilm", failure) == 0
+    with pytest.raises(DeadlineExceeded, match=r"while 'minilm' was tried \(engine"):
+        _left(100, now - 0.2, "minilm", failure)
+
+
 def test_direct_when_idle_needs_engines(repository: Path) -> None:
     with service("gateway", repository, "--direct-when-idle", "--engines", "") as g:
         assert g.proc.wait(60) == 2
