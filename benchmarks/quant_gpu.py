@@ -47,6 +47,7 @@ from torch import nn  # noqa: E402
 
 from engine import calibration, quant  # noqa: E402
 from engine.encoder import Encoder, EncoderConfig  # noqa: E402
+from engine.fused import FusedForward  # noqa: E402
 from engine.model import ServedModel, load_served_model  # noqa: E402
 from services.repository import ModelEntry, load_repository  # noqa: E402
 
@@ -152,13 +153,6 @@ def variant_model(
     return model
 
 
-def served(model: nn.Module) -> nn.Module | Forward:
-    """What the engine runs the model with: its fused forward."""
-    from engine.fused import FusedForward
-
-    return FusedForward(cast(ServedModel, model))
-
-
 # Accuracy variants of FP8: which scales, which projections stay fp16.
 FP8_ACCURACY_VARIANTS: dict[str, dict[str, Any]] = {
     "fp8": {},
@@ -198,7 +192,7 @@ def accuracy(repo: Path, device: torch.device, result: dict[str, Any]) -> None:
         row: dict[str, Any] = {}
         try:
             emb = run_batches(
-                served(
+                fused_forward(
                     variant_model(entries["minilm"], variant, device, calib["minilm"])
                 ),
                 batches["minilm"],
@@ -206,7 +200,7 @@ def accuracy(repo: Path, device: torch.device, result: dict[str, Any]) -> None:
             )
             cos = cosines(emb, refs["minilm"])
             probs = run_batches(
-                served(
+                fused_forward(
                     variant_model(entries["intent"], variant, device, calib["intent"])
                 ),
                 batches["intent"],
@@ -267,14 +261,9 @@ def graph_speed(
     return batch * 1000.0 / ms, ms, out.float().clone()
 
 
-def fused_forward(model: ServedModel, **options: Any) -> Forward | None:
-    """The engine's fused forward (engine/fused.py), where it imports."""
-    try:
-        from engine.fused import FusedForward
-    except ImportError as exc:
-        log.warning("engine.fused unavailable: %s", exc)
-        return None
-    return FusedForward(model, **options)
+def fused_forward(model: nn.Module, **options: Any) -> Forward:
+    """What the engine runs a model with: its fused forward (engine/fused.py)."""
+    return FusedForward(cast(ServedModel, model), **options)
 
 
 def speed(
