@@ -9,9 +9,11 @@ Run on the device machine (scripts/gpu_run.sh runs it with $OUT set)::
    bf16 and FP8 variants run by the engine's fused forward (engine/fused.py:
    what berth serves) on the other texts: embedding cosine (mean, min) and
    intent top-1 agreement. "fp8" is what ``quantize: fp8`` serves: e4m3
-   with one scale per weight and static input scales calibrated on the first
-   256 texts of engine/data/calibration_texts.txt; the others take a scale
-   per weight channel, per token, or keep a projection in fp16.
+   with one scale per weight, its codes rounded by GPTQ, and static input
+   scales, calibrated on the first 256 texts of
+   engine/data/calibration_texts.txt; the attention output's projection
+   stays fp16. The others round to nearest, put all four projections in
+   FP8, take a scale per token, or keep FFN-out in fp16 too.
 2. Speed: a BERT-base-sized encoder (12 x 768, random weights) at batch 128,
    length 128, each variant captured in one CUDA graph and replayed;
    sequences/s from CUDA events. The baseline ("fp16 engine") is the engine's
@@ -46,6 +48,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from engine import calibration, quant  # noqa: E402
+from engine.cuda_graphs import capturing  # noqa: E402
 from engine.encoder import Encoder, EncoderConfig  # noqa: E402
 from engine.fused import FusedForward  # noqa: E402
 from engine.model import ServedModel, load_served_model  # noqa: E402
@@ -153,13 +156,17 @@ def variant_model(
     return model
 
 
-# Accuracy variants of FP8: which scales, which projections stay fp16.
+# Accuracy variants of FP8: which scales, which projections stay fp16, how
+# the weights are rounded. "fp8" is what is served (quant.quantize_fp8's
+# defaults: GPTQ, the attention output's projection in fp16).
+ALL_FOUR = frozenset[str]()
 FP8_ACCURACY_VARIANTS: dict[str, dict[str, Any]] = {
     "fp8": {},
-    "fp8 row-wise": {"rowwise": True},
+    "fp8, nearest": {"gptq": False},
+    "fp8 all four, GPTQ": {"keep": ALL_FOUR},
+    "fp8 all four, nearest": {"keep": ALL_FOUR, "gptq": False},
     "fp8 per-token": {"rowwise": True, "dynamic": True},
-    "fp8, ffn_out fp16": {"keep": frozenset({"ffn_out"})},
-    "fp8, qkv fp16": {"keep": frozenset({"qkv"})},
+    "fp8, ffn_out fp16 too": {"keep": frozenset({"out", "ffn_out"})},
 }
 
 
@@ -246,7 +253,7 @@ def graph_speed(
     torch.cuda.current_stream(device).wait_stream(side)
     torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
-    with torch.inference_mode(), torch.cuda.graph(graph):
+    with torch.inference_mode(), capturing(graph):
         out = forward(ids, lens)
     for _ in range(5):
         graph.replay()
@@ -300,8 +307,16 @@ def speed(
         ("fp16 engine (fused kernels)", lambda: fused_forward(fp16())),
         ("fp8 engine (fused kernels)", lambda: fused_forward(fp8())),
         (
-            "fp8 engine, GELU in cuBLASLt",
-            lambda: fused_forward(fp8(), fp8_epilogue=True),
+            "fp8 engine, GELU pass",
+            lambda: fused_forward(fp8(), fp8_epilogue=False),
+        ),
+        (
+            "fp8 engine, all four e4m3",
+            lambda: fused_forward(fp8(keep=ALL_FOUR)),
+        ),
+        (
+            "fp8 all four e4m3, GELU pass",
+            lambda: fused_forward(fp8(keep=ALL_FOUR), fp8_epilogue=False),
         ),
         ("fp8 row-wise + fused kernels", lambda: fused_forward(fp8(rowwise=True))),
         ("fp8 eager", fp8),
@@ -445,6 +460,8 @@ def main() -> None:
         "intent_agreement": None,
         "torch": torch.__version__,
         "fp8_scales": "one per weight (tensor-wise), static input scales",
+        "fp8_weights": "e4m3 codes rounded by GPTQ on the calibration texts",
+        "fp8_kept_fp16": sorted(quant.FP8_KEEP),
         "reference": "float32 on the GPU (TF32 off) from the same stored weights",
     }
 

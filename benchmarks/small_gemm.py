@@ -46,6 +46,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine import kernels  # noqa: E402
+from engine.cuda_graphs import capturing  # noqa: E402
 from engine.kernels import (  # noqa: E402
     ACT_GELU_TANH,
     ACT_NONE,
@@ -67,7 +68,7 @@ def graph_us(fn: Callable[[], object]) -> float:
         fn()  # compile / warm up outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with capturing(graph):
         for _ in range(REPEAT):
             fn()
     graph.replay()

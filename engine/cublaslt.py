@@ -20,7 +20,7 @@ captured into CUDA graphs like any kernel. Where any of it is missing (no
 CUDA, no libcublasLt, no algorithm at load), :func:`fp8_epilogue_gemm`
 returns None and the caller keeps the separate pass; a token count that has
 no algorithm takes the pass too (:meth:`Fp8EpilogueGemm.runs`). The engine takes this
-path only with ``BERTH_FP8_EPILOGUE=1`` (engine/fused.py says why).
+path unless ``BERTH_FP8_EPILOGUE=0`` (engine/fused.py).
 """
 
 from __future__ import annotations

@@ -22,9 +22,11 @@ given one (zero-copy: a pinned buffer mapped into the device).
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +93,30 @@ def io_views(
     return io[:tokens].view(batch, length), io[tokens : tokens + batch]
 
 
+@contextlib.contextmanager
+def capturing(graph: torch.cuda.CUDAGraph, **kwargs: Any) -> Iterator[None]:
+    """``torch.cuda.graph(graph, **kwargs)`` with Python's cyclic garbage
+    collector paused, in thread-local capture mode.
+
+    A collection that runs during a capture frees whatever dead cycles hold:
+    an earlier model's graphs (cudaGraphExecDestroy) or pinned buffers
+    (engine/pinned.py: cudaFreeHost). Neither is allowed while a stream
+    captures; CUDA invalidates the capture and it fails at its next launch
+    ("operation failed due to a previous error during capture"). torch ran a
+    collection before each capture until 2.9, none since (pytorch#161037,
+    TransformerEngine#2092). Thread-local mode keeps other threads' calls
+    (a serving thread's event waits) from invalidating this thread's capture.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, capture_error_mode="thread_local", **kwargs):
+            yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 @dataclass
 class Captured:
     """One captured graph and the static tensor its replays overwrite."""
@@ -122,6 +148,7 @@ class GraphCache:
             reverse=True,
         )
         began = last = time.monotonic()
+        gc.collect()  # dead cycles freed here, not during a capture (capturing)
         with torch.cuda.stream(self.stream):
             for done, (batch, length, tokens) in enumerate(ordered):
                 now = time.monotonic()
@@ -139,7 +166,7 @@ class GraphCache:
                 self.stream.synchronize()
                 for index, (io, out) in enumerate(buffers):
                     graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+                    with capturing(graph, pool=self.pool, stream=self.stream):
                         output = self.step(io[:size], out, batch, length, tokens)
                     key = (index, batch, length, tokens)
                     self._graphs[key] = Captured(graph, output)

@@ -38,6 +38,7 @@ from torch import nn
 
 from engine import kernels
 from engine.cublaslt import Fp8EpilogueGemm, fp8_epilogue_gemm
+from engine.cuda_graphs import capturing
 from engine.encoder import ACTIVATIONS, EncoderLayer, key_padding_mask
 from engine.heads import ClsPooling, MeanPooling
 from engine.kernels import add_layer_norm, add_layer_norm_partials, mean_pool
@@ -50,11 +51,11 @@ ATTENTION_ENV = "BERTH_ATTENTION"
 ATTENTION_KINDS = ("flash", "triton", "sdpa")
 # BERTH_PDL=0: kernels launched the classic way (no dependent launches).
 PDL_ENV = "BERTH_PDL"
-# BERTH_FP8_EPILOGUE=1: FP8 layers apply FFN-in's activation in cuBLASLt's
-# epilogue (engine/cublaslt.py) instead of a separate pass: 1.06-1.07x the FP8
-# engine at 128 x 128 on the H200, but one of four full runs of the gpu tests
-# with it saw a CUDA graph capture fail, for a reason not found (notes/gpu.md,
-# session 12), so it is not the default.
+# FP8 layers apply FFN-in's activation in cuBLASLt's epilogue (engine/cublaslt.py)
+# instead of a separate pass: 1.06-1.07x the FP8 engine at 128 x 128 on the
+# H200. BERTH_FP8_EPILOGUE=0 keeps the pass. (Session 12 left it opt-in after a
+# graph capture failed once; the cause was garbage collected during a capture,
+# which engine/cuda_graphs.capturing now holds off: notes/gpu.md, session 13.)
 FP8_EPILOGUE_ENV = "BERTH_FP8_EPILOGUE"
 
 
@@ -136,11 +137,11 @@ class FusedForward:
         self._starts: dict[tuple[int, int], torch.Tensor] = {}
         self._plans: dict[int, dict[str, kernels.LinearConfig]] = {}  # by tokens
         if fp8_epilogue is None:
-            fp8_epilogue = os.environ.get(FP8_EPILOGUE_ENV, "0") in ("1", "true")
+            fp8_epilogue = os.environ.get(FP8_EPILOGUE_ENV, "1") not in ("0", "false")
         self.fp8 = self._fp8_plans(fp8_epilogue)
 
     def _fp8_plans(self, epilogue: bool) -> list[Fp8Layer | None]:
-        """For each layer whose four projections are static tensor-wise FP8
+        """For each layer whose projections are static tensor-wise FP8
         (``_fp8_layer``): the next layer's QKV input scale, when that product
         is FP8 too (this layer's closing LayerNorm writes its e4m3 input), and
         with ``epilogue``, FFN-in as one cuBLASLt product that applies the
@@ -372,10 +373,12 @@ class FusedForward:
         length: int,
         keys: tuple[str, Any, bool],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A layer of four static tensor-wise FP8 products (engine/quant.Fp8Linear):
+        """A layer of static tensor-wise FP8 products (engine/quant.Fp8Linear):
         each product's e4m3 input is written by the kernel before it (the
         LayerNorm, FFN-in's epilogue or an activation pass, a pass over the
-        attention's output), and cuBLASLt adds the biases. The activation is
+        attention's output), and cuBLASLt adds the biases. The attention's
+        output projection may be the encoder's own fp16 one (engine/quant.FP8_KEEP),
+        which takes the attention's output as it is. The activation is
         the fp16 engine's (``plan_act``: GELU's tanh form on the GPU, as its
         cuBLASLt epilogue computes). Returns the
         layer's output and, where the plan has the next QKV product's input
@@ -386,10 +389,13 @@ class FusedForward:
         if x8 is None:
             x8 = kernels.quantize_e4m3(x, _inv_scale(qkv), pdl=pdl)
         context = self._attend(qkv(x8), batch, length, keys)
-        context8 = kernels.quantize_e4m3(context, _inv_scale(out), pdl=pdl)
+        if isinstance(out, nn.Linear):
+            projected = F.linear(context, out.weight, out.bias)
+        else:
+            projected = out(kernels.quantize_e4m3(context, _inv_scale(out), pdl=pdl))
         norm = layer.norm1
         x, h8 = kernels.add_layer_norm_e4m3(
-            out(context8), x, norm.weight, norm.bias, self.eps, _inv_scale(ffn_in), pdl
+            projected, x, norm.weight, norm.bias, self.eps, _inv_scale(ffn_in), pdl
         )
         if plan.ffn_in is not None and plan.ffn_in.runs(len(h8)):
             inner8 = plan.ffn_in(h8)
@@ -524,15 +530,15 @@ class FusedForward:
 
 
 def _fp8_ready(layer: EncoderLayer) -> bool:
-    """Whether all four projections of ``layer`` take e4m3 input in their own
-    static scale (engine/quant.Fp8Linear, tensor-wise, static input scales)."""
-    projections = (
-        layer.attention.qkv,
-        layer.attention.out,
-        layer.ffn_in,
-        layer.ffn_out,
+    """Whether ``layer``'s projections take e4m3 input in their own static
+    scale (engine/quant.Fp8Linear, tensor-wise, static input scales): all
+    four, or all but the attention's output projection, kept an nn.Linear."""
+    projections = (layer.attention.qkv, layer.ffn_in, layer.ffn_out)
+    out = layer.attention.out
+    fp8 = all(getattr(p, "static_tensorwise", False) for p in projections)
+    return fp8 and (
+        isinstance(out, nn.Linear) or getattr(out, "static_tensorwise", False)
     )
-    return all(getattr(p, "static_tensorwise", False) for p in projections)
 
 
 def _inv_scale(projection: nn.Module) -> torch.Tensor:
@@ -555,7 +561,7 @@ def time_in_graph(fn: Any, calls: int = 10, rounds: int = 3) -> float:
     (benchmarks/engine.py, H200)."""
     fn()  # warm-up: Triton compiles, cuBLAS picks its kernels
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with capturing(graph):
         for _ in range(calls):
             fn()
     best = float("inf")

@@ -34,6 +34,7 @@ import torch
 
 from engine.backend import BackendError, loaded
 from engine.calibration import TokenBatch, calibration_texts
+from engine.cuda_graphs import capturing
 from engine.onnx_export import cache_dir, export_entry, file_sha256
 from engine.pinned import Slot, SlotRing
 from engine.tensorrt_build import (
@@ -222,7 +223,7 @@ class TensorRTBackend:
                 self._enqueue(context, rows, bucket)
             self.stream.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=self.stream):
+            with capturing(graph, stream=self.stream):
                 self._enqueue(context, rows, bucket)
             m.graphs[(index, rows)] = (context, graph)
         log.info(

@@ -175,6 +175,47 @@ def test_fp8_per_token_scales_keep_small_rows_precise() -> None:
         quant.Fp8Linear(linear, amax, False, torch.float32, dynamic=True)
 
 
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_gptq_rounds_for_the_product_not_each_weight(rowwise: bool) -> None:
+    """On inputs with correlated channels (as a LayerNorm's are), GPTQ's codes
+    give products closer to the exact weight's than nearest rounding does,
+    on held-out inputs too; the codes stay e4m3 in the weight's own scale."""
+    gen = torch.Generator().manual_seed(0)
+    mix = torch.randn(64, 64, generator=gen)
+    calib = torch.randn(2048, 64, generator=gen) @ mix
+    held_out = torch.randn(512, 64, generator=gen) @ mix
+    weight = torch.randn(48, 64, generator=gen)
+    nearest, scale = quant.fp8_weight(weight, rowwise)
+    codes = quant.gptq_e4m3(weight, calib.t() @ calib, scale)
+    assert codes.dtype == torch.float8_e4m3fn and codes.shape == weight.shape
+    assert codes.float().abs().max() <= 448.0
+    columns = scale[:, None] if rowwise else scale
+
+    def error(q: torch.Tensor, x: torch.Tensor) -> float:
+        return float((x @ (weight - q.float() * columns).t()).norm())
+
+    assert not torch.equal(codes.float(), nearest.float())
+    ratios = [error(codes, x) / error(nearest, x) for x in (calib, held_out)]
+    print(f"GPTQ / nearest product error: {ratios[0]:.3f}, held out {ratios[1]:.3f}")
+    assert ratios[0] < 0.8 and ratios[1] < 0.85
+
+
+def test_gptq_ignores_inputs_never_seen() -> None:
+    """A channel no calibration input used has X^T X's row and column zero:
+    its weights are free (zeroed) and the rest still round well."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(256, 32, generator=gen)
+    x[:, 5] = 0.0
+    weight = torch.randn(16, 32, generator=gen)
+    nearest, scale = quant.fp8_weight(weight, rowwise=False)
+    codes = quant.gptq_e4m3(weight, x.t() @ x, scale)
+    assert torch.isfinite(codes.float()).all()
+    assert (codes.float()[:, 5] == 0).all()
+    exact = x @ weight.t()
+    err_gptq = (x @ (codes.float() * scale).t() - exact).norm()
+    assert err_gptq < (x @ (nearest.float() * scale).t() - exact).norm()
+
+
 def test_fp8_linear_refuses_shapes_scaled_mm_cannot_take() -> None:
     with pytest.raises(ValueError, match="multiples of 16"):
         quant.Fp8Linear(nn.Linear(24, 32), 1.0)
@@ -221,11 +262,38 @@ def test_quantize_int8_replaces_encoder_linears_only() -> None:
     assert torch.isfinite(got).all()
 
 
+def test_record_inputs_weighs_only_real_tokens() -> None:
+    """X^T X (GPTQ's weights) counts each real token's row once: padded
+    positions and empty rows add nothing; the max |x| sees them all."""
+    ids, lengths = _tiny_batches(1)[0]
+    _, gram = quant.record_inputs(_tiny_model(), [(ids, lengths)], hessians=True)
+    padded = torch.cat([ids, torch.randint(1, 200, (2, 16), dtype=torch.int32)])
+    longer = torch.cat([lengths, torch.tensor([0, 0], dtype=torch.int32)])
+    _, same = quant.record_inputs(_tiny_model(), [(padded, longer)], hessians=True)
+    names = [name for name, _ in quant.encoder_linears(_tiny_model())]
+    assert sorted(gram) == sorted(same) == sorted(names)
+    for name in names:
+        torch.testing.assert_close(gram[name], same[name], rtol=1e-4, atol=1e-3)
+    # the first QKV's input is the embeddings' LayerNorm: 28 real rows of it
+    model = _tiny_model()
+    with torch.inference_mode():
+        real = torch.arange(16)[None, :] < lengths[:, None]
+        rows = model.encoder.embeddings(ids)[real]
+    assert rows.shape[0] == int(lengths.sum())
+    qkv = "encoder.layers.0.attention.qkv"
+    torch.testing.assert_close(gram[qkv], rows.t() @ rows, rtol=1e-4, atol=1e-3)
+    assert quant.record_inputs(_tiny_model(), [(ids, lengths)])[1] == {}
+
+
 def test_quantize_fp8_on_the_reference_path() -> None:
     model = _tiny_model()
     reference = copy.deepcopy(model)
-    assert quant.quantize_fp8(model, _tiny_batches()) == 4 * TINY.num_layers
+    # the attention output's projection stays fp16 (quant.FP8_KEEP)
+    assert quant.quantize_fp8(model, _tiny_batches()) == 3 * TINY.num_layers
     assert isinstance(model.get_submodule("encoder.layers.0.ffn_in"), quant.Fp8Linear)
+    out = model.get_submodule("encoder.layers.0.attention.out")
+    assert isinstance(out, nn.Linear) and out.weight.dtype == torch.float16
+    assert "rounding=gptq" in repr(model.get_submodule("encoder.layers.1.ffn_out"))
     norm = model.get_submodule("encoder.layers.0.norm1")
     # a float32 model runs in fp16 around its FP8 products, as the engine's does
     assert isinstance(norm, nn.LayerNorm) and norm.weight.dtype == torch.float16
@@ -241,9 +309,13 @@ def test_the_engines_fused_forward_runs_fp8_layers() -> None:
     layers are called as modules there (their weights are not an nn.Linear's)."""
     from engine.fused import FusedForward
 
-    for rowwise in (False, True):
+    for rowwise, keep in [
+        (False, quant.FP8_KEEP),
+        (False, frozenset[str]()),
+        (True, quant.FP8_KEEP),
+    ]:
         model = _tiny_model()
-        quant.quantize_fp8(model, _tiny_batches(), rowwise=rowwise)
+        quant.quantize_fp8(model, _tiny_batches(), rowwise=rowwise, keep=keep)
         ids, lengths = _tiny_batches(1)[0]
         forward = FusedForward(model)
         # tensor-wise layers run as FP8 layers, e4m3 written by their producers

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from engine.cuda_graphs import capturing
 from engine.encoder import EncoderLoadError, load_encoder
 from engine.heads import ClassifierHead, MeanPooling
 
@@ -175,7 +176,7 @@ def test_cuda_half_precision_in_a_cuda_graph(tmp_path: Path, model_type: str) ->
         pool(encoder(ids, lengths), lengths)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.inference_mode(), torch.cuda.graph(graph):
+    with torch.inference_mode(), capturing(graph):
         pooled = pool(encoder(ids, lengths), lengths)
 
     tokens = torch.randint(3, VOCAB, (batch, length), generator=torch.Generator())

@@ -7,10 +7,12 @@ References are float32 CPU outputs (tests/gpu/reference.py).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import subprocess
 import sys
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,8 +21,9 @@ import pytest
 import torch
 
 from engine.cuda_backend import CudaBackend, collect
-from engine.cuda_graphs import bucket_shapes, packed_tokens
+from engine.cuda_graphs import bucket_shapes, capturing, packed_tokens
 from engine.fused import PDL_MAX_TOKENS, FusedForward
+from engine.pinned import HostBuffer
 from tests.gpu.reference import Fixtures, fixtures, padded_batches
 
 pytestmark = [
@@ -144,6 +147,50 @@ def test_graph_replay_equals_eager(backend: CudaBackend) -> None:
             f"{np.abs(graph - eager_np).max():.2e}"
         )
         np.testing.assert_allclose(graph, eager_np, rtol=1e-3, atol=2e-3)
+
+
+class _Junk:
+    """A dead reference cycle holding CUDA resources."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, pinned: HostBuffer) -> None:
+        self.graph, self.pinned, self.me = graph, pinned, self
+
+
+def test_a_capture_survives_garbage_that_frees_graphs_and_pinned_memory() -> None:
+    """Dead cycles holding a captured graph and a pinned buffer, with the
+    collector at its most eager: were they collected during the capture
+    (cudaGraphExecDestroy, cudaFreeHost), CUDA would invalidate it and the
+    next launch would fail. ``capturing`` holds the collector off."""
+    x = torch.zeros(1024, device="cuda")
+
+    def dead_cycle() -> weakref.ref[_Junk]:
+        graph = torch.cuda.CUDAGraph()
+        with capturing(graph):
+            x.add_(1.0)
+        return weakref.ref(_Junk(graph, HostBuffer(1 << 20, x.device)))
+
+    thresholds = gc.get_threshold()
+    gc.collect()
+    dead = [dead_cycle() for _ in range(4)]
+    try:
+        gc.set_threshold(1, 1, 1)  # a full collection at nearly every allocation
+        graph = torch.cuda.CUDAGraph()
+        with capturing(graph):
+            y = x
+            for _ in range(50):
+                y = y * 1.0 + 1.0
+                [[] for _ in range(50)]  # noqa: B018 (allocations that would collect)
+            survived = sum(ref() is not None for ref in dead)
+    finally:
+        gc.set_threshold(*thresholds)
+    assert gc.isenabled()
+    assert survived == len(dead), "collected during the capture"
+    x.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, torch.full_like(x, 50.0))
+    gc.collect()
+    assert all(ref() is None for ref in dead)  # garbage indeed, freed after
 
 
 def test_packed_graphs_equal_padded_eager(backend: CudaBackend) -> None:
@@ -524,7 +571,7 @@ def test_cublaslt_epilogue_equals_product_then_pass(epilogue: str) -> None:
         assert (got == want).float().mean() > 0.97
         assert torch.isfinite(got).all() and got.abs().max() == 448.0
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with capturing(graph):
         captured = gemm(x8)
     out_inv.fill_(40.0)
     graph.replay()
@@ -552,7 +599,7 @@ def test_fp8_forward_with_the_cublaslt_epilogue_in_graphs(refs: Fixtures) -> Non
     with torch.inference_mode():
         eager = fused(ids_d, lengths_d).float()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with capturing(graph):
             captured = fused(ids_d, lengths_d)
         graph.replay()
         default = plain(ids_d, lengths_d).float()
@@ -587,7 +634,7 @@ def test_e4m3_kernels_equal_torchs_conversion(act: int) -> None:
     b = torch.randn(768, device="cuda", dtype=torch.float16)
     graph = torch.cuda.CUDAGraph()
     kernels.add_layer_norm_e4m3(x, r, w, b, 1e-12, inv)  # compile before capture
-    with torch.cuda.graph(graph):
+    with capturing(graph):
         out, out8 = kernels.add_layer_norm_e4m3(x, r, w, b, 1e-12, inv)
         replayed = kernels.quantize_e4m3(x, inv, act)
     inv.fill_(2.0)
