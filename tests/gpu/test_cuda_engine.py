@@ -171,11 +171,12 @@ def test_a_capture_survives_garbage_that_frees_graphs_and_pinned_memory() -> Non
 
     thresholds = gc.get_threshold()
     gc.collect()
+    gc.set_threshold(1 << 30)  # nothing collected before the capture starts
     dead = [dead_cycle() for _ in range(4)]
     try:
-        gc.set_threshold(1, 1, 1)  # a full collection at nearly every allocation
         graph = torch.cuda.CUDAGraph()
         with capturing(graph):
+            gc.set_threshold(1, 1, 1)  # a full collection at nearly every allocation
             y = x
             for _ in range(50):
                 y = y * 1.0 + 1.0
