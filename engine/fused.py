@@ -377,8 +377,8 @@ class FusedForward:
         each product's e4m3 input is written by the kernel before it (the
         LayerNorm, FFN-in's epilogue or an activation pass, a pass over the
         attention's output), and cuBLASLt adds the biases. The attention's
-        output projection may be the encoder's own fp16 one (engine/quant.FP8_KEEP),
-        which takes the attention's output as it is. The activation is
+        output projection may be kept in fp16 (``quantize_fp8(keep=...)``),
+        taking the attention's output as it is. The activation is
         the fp16 engine's (``plan_act``: GELU's tanh form on the GPU, as its
         cuBLASLt epilogue computes). Returns the
         layer's output and, where the plan has the next QKV product's input

@@ -483,12 +483,12 @@ def gptq_e4m3(
     return codes
 
 
-# Projections the served FP8 layer keeps in the encoder's fp16: the attention
-# output's. H200, BERT-base at 16,384 tokens: its fp16 product takes 34.3 us,
-# against 25.9 in FP8 plus 6.5-9.2 for the pass that quantizes its input
-# (benchmarks/fp8_gemm.py, the kernel profile in notes/gpu.md), and its input
-# was the one whose rounding alone flipped most intent answers (6 of 784).
-FP8_KEEP = frozenset({"out"})
+# Projections the served FP8 layer keeps in the encoder's fp16: none. Keeping
+# the attention output's (its input's rounding alone flipped the most intent
+# answers in a CPU simulation) measured slower and no more accurate on the
+# H200 once the weights are rounded by GPTQ: 1.382x against 1.401x the fp16
+# engine, 98.85 % against 99.62 % intent agreement (notes/gpu.md, session 13).
+FP8_KEEP = frozenset[str]()
 
 
 def quantize_fp8(

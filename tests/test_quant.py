@@ -288,10 +288,11 @@ def test_record_inputs_weighs_only_real_tokens() -> None:
 def test_quantize_fp8_on_the_reference_path() -> None:
     model = _tiny_model()
     reference = copy.deepcopy(model)
-    # the attention output's projection stays fp16 (quant.FP8_KEEP)
-    assert quant.quantize_fp8(model, _tiny_batches()) == 3 * TINY.num_layers
+    assert quant.quantize_fp8(model, _tiny_batches()) == 4 * TINY.num_layers
     assert isinstance(model.get_submodule("encoder.layers.0.ffn_in"), quant.Fp8Linear)
-    out = model.get_submodule("encoder.layers.0.attention.out")
+    kept = copy.deepcopy(reference)
+    assert quant.quantize_fp8(kept, _tiny_batches(), keep=frozenset({"out"})) == 6
+    out = kept.get_submodule("encoder.layers.0.attention.out")
     assert isinstance(out, nn.Linear) and out.weight.dtype == torch.float16
     assert "rounding=gptq" in repr(model.get_submodule("encoder.layers.1.ffn_out"))
     norm = model.get_submodule("encoder.layers.0.norm1")
