@@ -1,4 +1,4 @@
-"""FP8 products whose epilogue applies the activation and writes e4m3 (cuBLASLt).
+"""FP8 products with more in their epilogue than torch asks for (cuBLASLt).
 
 The fused forward's FP8 layer (engine/fused.py) feeds FFN-out with FFN-in's
 activations in e4m3. ``torch._scaled_mm`` takes no epilogue but a bias, so
@@ -7,10 +7,13 @@ applies GELU and writes e4m3: on the H200 at 16,384 tokens, 73 us of product
 and 39 us of pass a layer, and a fused Triton FP8 product was no faster than
 the two (112.8 us at best of 16 configurations, probe of session 12). cuBLASLt
 itself takes bias + GELU (or ReLU) and an e4m3 output with its scale in the
-epilogue; torch does not expose that call, so :class:`Fp8EpilogueGemm` makes
-it through ctypes, against the libcublasLt that torch has already loaded.
+epilogue, and a C matrix added before it: the residual, which the
+LayerNorm after attention-out and FFN-out then need not read. torch does not
+expose those calls, so :class:`Fp8EpilogueGemm` makes them through ctypes,
+against the libcublasLt that torch has already loaded.
 
     D [M, N] = e4m3(act(x8 [M, K] @ w8 [N, K]^T * scale_w * scale_x + bias) / scale_out)
+    D [M, N] = x8 [M, K] @ w8 [N, K]^T * scale_w * scale_x + bias + residual  (fp16)
 
 Every scale is a device scalar read when the product runs (a CUDA graph
 replays with the current ones). A plan (matrix layouts, the algorithm
@@ -42,7 +45,7 @@ DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE, DESC_BIAS_POINTER = 3, 4, 7, 8
 DESC_A_SCALE_POINTER, DESC_B_SCALE_POINTER, DESC_D_SCALE_POINTER = 17, 18, 20
 DESC_FAST_ACCUM, DESC_BIAS_DATA_TYPE = 25, 26
 PREF_MAX_WORKSPACE_BYTES = 1
-EPILOGUE_RELU_BIAS, EPILOGUE_GELU_BIAS = 6, 36  # GELU: its tanh form
+EPILOGUE_BIAS, EPILOGUE_RELU_BIAS, EPILOGUE_GELU_BIAS = 4, 6, 36  # GELU: tanh form
 # What cuBLASLt may use as scratch (NVIDIA's advice for Hopper).
 WORKSPACE_BYTES = 32 << 20
 
@@ -162,8 +165,10 @@ def _set(
 
 
 class Fp8EpilogueGemm:
-    """``act(x8 @ weight8^T * scale_w * scale_x + bias)`` as e4m3 in
-    ``1 / out_inv_scale``, one cuBLASLt call (module docstring)."""
+    """One cuBLASLt call (module docstring): ``act(x8 @ weight8^T * scale_w *
+    scale_x + bias)`` as e4m3 in ``1 / out_inv_scale``, or, with no
+    ``out_inv_scale``, ``x8 @ weight8^T * scale_w * scale_x + bias (+ the
+    residual, with ``residual``)`` in fp16."""
 
     def __init__(
         self,
@@ -171,11 +176,14 @@ class Fp8EpilogueGemm:
         weight_scale: torch.Tensor,
         input_scale: torch.Tensor,
         bias: torch.Tensor,
-        out_inv_scale: torch.Tensor,
+        out_inv_scale: torch.Tensor | None,
         epilogue: int = EPILOGUE_GELU_BIAS,
+        residual: bool = False,
     ) -> None:
         if weight8.dtype != torch.float8_e4m3fn or bias.dtype != torch.float16:
             raise ValueError("an e4m3 weight and an fp16 bias")
+        if residual and out_inv_scale is not None:
+            raise ValueError("a residual is added to fp16 outputs only")
         self.device = weight8.device
         self.lib = _load(self.device)
         self.handle, self.workspace = self.lib.handle(self.device)
@@ -183,7 +191,11 @@ class Fp8EpilogueGemm:
         # Kept alive here: cuBLASLt holds their addresses.
         self.tensors = (weight8, weight_scale, input_scale, bias, out_inv_scale)
         self.weight8 = weight8
-        self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        self.residual = residual
+        self.out_dtype = torch.float16 if out_inv_scale is None else torch.float8_e4m3fn
+        self.d_type = CUDA_R_16F if out_inv_scale is None else CUDA_R_8F_E4M3
+        self.alpha = ctypes.c_float(1.0)
+        self.beta = ctypes.c_float(1.0 if residual else 0.0)
         lib, desc = self.lib, ctypes.c_void_p()
         lib.call(
             "cublasLtMatmulDescCreate",
@@ -200,7 +212,9 @@ class Fp8EpilogueGemm:
         _set(lib, desc, DESC_BIAS_DATA_TYPE, ctypes.c_int32(CUDA_R_16F))
         _set(lib, desc, DESC_A_SCALE_POINTER, ctypes.c_void_p(weight_scale.data_ptr()))
         _set(lib, desc, DESC_B_SCALE_POINTER, ctypes.c_void_p(input_scale.data_ptr()))
-        _set(lib, desc, DESC_D_SCALE_POINTER, ctypes.c_void_p(out_inv_scale.data_ptr()))
+        if out_inv_scale is not None:
+            out_scale = ctypes.c_void_p(out_inv_scale.data_ptr())
+            _set(lib, desc, DESC_D_SCALE_POINTER, out_scale)
         _set(lib, desc, DESC_FAST_ACCUM, ctypes.c_int8(1))
         self.desc = desc
         self.a_layout = self._layout(CUDA_R_8F_E4M3, self.k, self.n, self.k)
@@ -220,10 +234,10 @@ class Fp8EpilogueGemm:
         if m in self.plans:
             return self.plans[m]
         b = self._layout(CUDA_R_8F_E4M3, self.k, m, self.k)
-        # No C (beta = 0, the pointer NULL), but its layout: cuBLASLt wants the
-        # bias's type there when D is e4m3.
+        # C: the residual, or none (beta = 0, the pointer NULL) but its layout,
+        # in the bias's type (what cuBLASLt wants there when D is e4m3).
         c = self._layout(CUDA_R_16F, self.n, m, self.n)
-        d = self._layout(CUDA_R_8F_E4M3, self.n, m, self.n)
+        d = self._layout(self.d_type, self.n, m, self.n)
         pref = ctypes.c_void_p()
         self.lib.call("cublasLtMatmulPreferenceCreate", ctypes.byref(pref))
         size = ctypes.c_uint64(WORKSPACE_BYTES)
@@ -257,12 +271,19 @@ class Fp8EpilogueGemm:
             except CublasLtError as exc:
                 self.refused.add(m)
                 log.warning(
-                    "fp8: FFN-in at %d tokens takes the activation pass: %s", m, exc
+                    "fp8: a %dx%d product at %d tokens takes torch's path: %s",
+                    self.n,
+                    self.k,
+                    m,
+                    exc,
                 )
         return False
 
-    def __call__(self, x8: torch.Tensor) -> torch.Tensor:
-        """x8 [M, K] e4m3 (contiguous) -> [M, N] e4m3, on the current stream."""
+    def __call__(
+        self, x8: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x8 [M, K] e4m3 (contiguous; with ``residual``, also fp16 [M, N])
+        -> [M, N] e4m3 or fp16, on the current stream."""
         if x8.dtype != torch.float8_e4m3fn or x8.shape[1:] != (self.k,):
             raise ValueError(
                 f"e4m3 input [M, {self.k}] expected, got {x8.dtype} {tuple(x8.shape)}"
@@ -270,14 +291,23 @@ class Fp8EpilogueGemm:
         if not x8.is_contiguous() or x8.data_ptr() % 16:
             raise ValueError("the input must be contiguous and 16-byte aligned")
         m = x8.shape[0]
+        if (residual is not None) != self.residual:
+            raise ValueError("a residual is given exactly when one was planned")
+        if residual is not None and (
+            residual.shape != (m, self.n)
+            or residual.dtype != torch.float16
+            or not residual.is_contiguous()
+        ):
+            raise ValueError(f"the residual must be contiguous fp16 [{m}, {self.n}]")
         b, c, d, found = self.plan(m)
-        out = torch.empty((m, self.n), dtype=torch.float8_e4m3fn, device=self.device)
+        out = torch.empty((m, self.n), dtype=self.out_dtype, device=self.device)
         stream = torch.cuda.current_stream(self.device).cuda_stream
         self.lib.call(
             "cublasLtMatmul",
             self.handle, self.desc, ctypes.byref(self.alpha),
             self.weight8.data_ptr(), self.a_layout, x8.data_ptr(), b,
-            ctypes.byref(self.beta), None, c, out.data_ptr(), d,
+            ctypes.byref(self.beta), None if residual is None else residual.data_ptr(),
+            c, out.data_ptr(), d,
             ctypes.byref(found.algo), self.workspace.data_ptr(), WORKSPACE_BYTES,
             stream,
         )  # fmt: skip
@@ -285,12 +315,17 @@ class Fp8EpilogueGemm:
 
 
 def fp8_epilogue_gemm(
-    linear: torch.nn.Module, out_inv_scale: torch.Tensor, act: str
+    linear: torch.nn.Module,
+    out_inv_scale: torch.Tensor | None = None,
+    act: str | None = None,
+    residual: bool = False,
 ) -> Fp8EpilogueGemm | None:
-    """The fused product for an FP8 linear (engine/quant.Fp8Linear, tensor-wise)
-    followed by ``act`` ("gelu_tanh" or "relu"), or None (and why, logged once
-    per reason) where it cannot run here."""
-    epilogue = {"gelu_tanh": EPILOGUE_GELU_BIAS, "relu": EPILOGUE_RELU_BIAS}.get(act)
+    """The fused product for an FP8 linear (engine/quant.Fp8Linear, tensor-wise):
+    followed by ``act`` ("gelu_tanh" or "relu") and written as e4m3 in
+    ``1 / out_inv_scale``, or (no ``act``, no scale) with the residual added;
+    None (and why, logged once per reason) where it cannot run here."""
+    epilogues = {None: EPILOGUE_BIAS, "gelu_tanh": EPILOGUE_GELU_BIAS}
+    epilogue = {**epilogues, "relu": EPILOGUE_RELU_BIAS}.get(act)
     weight8 = getattr(linear, "weight8", None)
     tensorwise = getattr(linear, "static_tensorwise", False)  # one scale each
     if epilogue is None or weight8 is None or not tensorwise or not weight8.is_cuda:
@@ -303,11 +338,13 @@ def fp8_epilogue_gemm(
             linear.bias,  # type: ignore[arg-type]
             out_inv_scale,
             epilogue,
+            residual,
         )
     except (CublasLtError, ValueError) as exc:
         if str(exc) not in _logged:
             _logged.add(str(exc))
-            log.warning("fp8: FFN-in keeps a separate activation pass: %s", exc)
+            what = "its residual add" if residual else "a separate activation pass"
+            log.warning("fp8: a product keeps %s: %s", what, exc)
         return None
 
 

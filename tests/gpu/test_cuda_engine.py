@@ -580,20 +580,60 @@ def test_cublaslt_epilogue_equals_product_then_pass(epilogue: str) -> None:
     assert (captured.float() == want).float().mean() > 0.97
 
 
+def test_cublaslt_product_adds_the_residual() -> None:
+    """Attention-out / FFN-out as one cuBLASLt call that adds the residual:
+    what _scaled_mm's product plus the residual is, at every token count the
+    engine captures a plan for, and in a graph; misuse is refused."""
+    from engine import cublaslt, kernels, quant
+
+    torch.manual_seed(1)
+    linear = torch.nn.Linear(3072, 768, device="cuda")
+    x = torch.randn(4096, 3072, device="cuda")
+    fp8 = quant.Fp8Linear(linear, float(x.abs().max()))
+    gemm = cublaslt.fp8_epilogue_gemm(fp8, residual=True)
+    assert gemm is not None and gemm.out_dtype == torch.float16
+    x8 = kernels.quantize_e4m3(x.half(), fp8.input_inv_scale)
+    residual = (torch.randn(4096, 768, device="cuda") * 4).half()
+    for rows in (4096, 128, 7):
+        got = gemm(x8[:rows], residual[:rows]).float()
+        want = fp8(x8[:rows]).float() + residual[:rows].float()
+        # one fp16 rounding (cuBLASLt) against two (product, then the sum)
+        torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-2)
+    graph = torch.cuda.CUDAGraph()
+    with capturing(graph):
+        captured = gemm(x8, residual)
+    residual.fill_(1.0)  # a graph reads the residual's current rows
+    graph.replay()
+    want = fp8(x8).float() + 1.0
+    torch.testing.assert_close(captured.float(), want, rtol=2e-3, atol=2e-2)
+    with pytest.raises(ValueError, match="exactly when"):
+        gemm(x8)
+    with pytest.raises(ValueError, match="contiguous fp16"):
+        gemm(x8, residual.float())
+    with pytest.raises(ValueError, match="fp16 outputs only"):
+        cublaslt.Fp8EpilogueGemm(
+            fp8.weight8, fp8.weight_scale, fp8.input_scale, fp8.bias,
+            torch.tensor(1.0, device="cuda"), residual=True,
+        )  # fmt: skip
+
+
 def test_fp8_forward_with_the_cublaslt_epilogue_in_graphs(refs: Fixtures) -> None:
-    """BERTH_FP8_EPILOGUE=1's forward: FFN-in in cuBLASLt's epilogue in
-    every layer, graphs equal to its eager runs and close to the default's
-    (random ids: the intent head's probabilities near uniform)."""
+    """The served FP8 forward: FFN-in's activation and the residual adds in
+    cuBLASLt's epilogues in every layer, graphs equal to its eager runs and
+    close to the forward with neither (random ids: the intent head's
+    probabilities near uniform)."""
     from engine import quant
 
     entry = refs.entries["intent"]
     cuda = CudaBackend("cuda:0")
     cuda.load(dataclasses.replace(entry, quantize="fp8"))
     served = cuda.runner("intent").forward.served
-    fused = FusedForward(served, fp8_epilogue=True)
-    assert all(p is not None and p.ffn_in is not None for p in fused.fp8)
-    plain = FusedForward(served, fp8_epilogue=False)
-    assert all(p is not None and p.ffn_in is None for p in plain.fp8)
+    fused = FusedForward(served)
+    assert all(
+        p is not None and None not in (p.ffn_in, p.out, p.ffn_out) for p in fused.fp8
+    )
+    plain = FusedForward(served, fp8_epilogue=False, fp8_residual=False)
+    assert all(p is not None and p.ffn_in is p.out is None for p in plain.fp8)
     assert isinstance(served.encoder.layers[0].ffn_in, quant.Fp8Linear)
     ids, lengths = random_batch(32, 128, cuda.runner("intent").vocab, seed=4)
     ids_d, lengths_d = torch.from_numpy(ids).cuda(), torch.from_numpy(lengths).cuda()
