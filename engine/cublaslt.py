@@ -16,8 +16,9 @@ against the libcublasLt that torch has already loaded.
     D [M, N] = x8 [M, K] @ w8 [N, K]^T * scale_w * scale_x + bias + residual  (fp16)
 
 Every scale is a device scalar read when the product runs (a CUDA graph
-replays with the current ones). A plan (matrix layouts, the algorithm
-cuBLASLt's heuristic picks) is made per token count at its first call;
+replays with the current ones). A plan (matrix layouts, and the fastest of
+the algorithms cuBLASLt's heuristic proposes, timed) is made per token count
+at its first call;
 cublasLtMatmul itself only enqueues work on torch's current stream, so it is
 captured into CUDA graphs like any kernel. Where any of it is missing (no
 CUDA, no libcublasLt, no algorithm at load), :func:`fp8_epilogue_gemm`
@@ -48,6 +49,10 @@ PREF_MAX_WORKSPACE_BYTES = 1
 EPILOGUE_BIAS, EPILOGUE_RELU_BIAS, EPILOGUE_GELU_BIAS = 4, 6, 36  # GELU: tanh form
 # What cuBLASLt may use as scratch (NVIDIA's advice for Hopper).
 WORKSPACE_BYTES = 32 << 20
+# Algorithms cuBLASLt's heuristic is asked for; each is timed on the product's
+# shape once per process (:meth:`Fp8EpilogueGemm.plan`) and the fastest kept.
+CANDIDATES = 8
+TIMED_RUNS = 10
 
 
 class _Heuristic(ctypes.Structure):
@@ -192,6 +197,7 @@ class Fp8EpilogueGemm:
         self.tensors = (weight8, weight_scale, input_scale, bias, out_inv_scale)
         self.weight8 = weight8
         self.residual = residual
+        self.epilogue = epilogue
         self.out_dtype = torch.float16 if out_inv_scale is None else torch.float8_e4m3fn
         self.d_type = CUDA_R_16F if out_inv_scale is None else CUDA_R_8F_E4M3
         self.alpha = ctypes.c_float(1.0)
@@ -230,7 +236,10 @@ class Fp8EpilogueGemm:
         return layout
 
     def plan(self, m: int) -> Plan:
-        """The layouts and the algorithm for m tokens."""
+        """The layouts and the algorithm for m tokens: the fastest of
+        cuBLASLt's heuristic's candidates, timed on this shape (once per
+        process and problem: products of the same shape and kind share it),
+        or its first candidate while a graph is being captured."""
         if m in self.plans:
             return self.plans[m]
         b = self._layout(CUDA_R_8F_E4M3, self.k, m, self.k)
@@ -245,19 +254,80 @@ class Fp8EpilogueGemm:
             "cublasLtMatmulPreferenceSetAttribute",
             pref, PREF_MAX_WORKSPACE_BYTES, ctypes.byref(size), ctypes.sizeof(size),
         )  # fmt: skip
-        found, count = _Heuristic(), ctypes.c_int(0)
+        results, count = (_Heuristic * CANDIDATES)(), ctypes.c_int(0)
         try:
             self.lib.call(
                 "cublasLtMatmulAlgoGetHeuristic",
-                self.handle, self.desc, self.a_layout, b, c, d, pref, 1,
-                ctypes.byref(found), ctypes.byref(count),
+                self.handle, self.desc, self.a_layout, b, c, d, pref, CANDIDATES,
+                results, ctypes.byref(count),
             )  # fmt: skip
         finally:
             self.lib.call("cublasLtMatmulPreferenceDestroy", pref)
-        if count.value < 1 or found.state != 0:
+        candidates = [r for r in results[: count.value] if r.state == 0]
+        if not candidates:
             raise CublasLtError(f"no cuBLASLt algorithm for {m}x{self.n}x{self.k}")
+        key = (m, self.n, self.k, self.epilogue, self.d_type, self.residual)
+        found = _tuned.get(key)
+        if found is None:
+            if torch.cuda.is_current_stream_capturing():  # nothing can be timed
+                found = candidates[0]
+            else:
+                found = _tuned[key] = self._fastest(m, candidates, b, c, d)
         self.plans[m] = Plan(b, c, d, found)
         return self.plans[m]
+
+    def _fastest(
+        self,
+        m: int,
+        candidates: list[_Heuristic],
+        b: ctypes.c_void_p,
+        c: ctypes.c_void_p,
+        d: ctypes.c_void_p,
+    ) -> _Heuristic:
+        """The candidate that runs this product fastest, on scratch rows (a
+        candidate that fails to run is passed over)."""
+        if len(candidates) == 1:
+            return candidates[0]
+        x8 = torch.randn(m, self.k, device=self.device).to(torch.float8_e4m3fn)
+        rows = torch.randn(m, self.n, device=self.device).half()
+        out = torch.empty((m, self.n), dtype=self.out_dtype, device=self.device)
+        residual = rows.data_ptr() if self.residual else None
+        plan = Plan(b, c, d, candidates[0])
+        best, best_ms = candidates[0], float("inf")
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        for found in candidates:
+            plan = plan._replace(found=found)
+            try:
+                for _ in range(2):  # warm-up
+                    self._run(plan, x8.data_ptr(), residual, out.data_ptr())
+                start.record()
+                for _ in range(TIMED_RUNS):
+                    self._run(plan, x8.data_ptr(), residual, out.data_ptr())
+                end.record()
+                end.synchronize()
+            except CublasLtError:
+                continue
+            ms = start.elapsed_time(end) / TIMED_RUNS
+            if ms < best_ms:
+                best, best_ms = found, ms
+        log.debug(
+            "fp8: %dx%dx%d product: the fastest of %d cuBLASLt candidates, %.1f us",
+            m, self.n, self.k, len(candidates), best_ms * 1000,
+        )  # fmt: skip
+        return best
+
+    def _run(self, plan: Plan, x8: int, residual: int | None, out: int) -> None:
+        """One cublasLtMatmul on the current stream, at these addresses."""
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self.lib.call(
+            "cublasLtMatmul",
+            self.handle, self.desc, ctypes.byref(self.alpha),
+            self.weight8.data_ptr(), self.a_layout, x8, plan.x,
+            ctypes.byref(self.beta), residual, plan.c, out, plan.d,
+            ctypes.byref(plan.found.algo), self.workspace.data_ptr(),
+            WORKSPACE_BYTES, stream,
+        )  # fmt: skip
 
     def runs(self, m: int) -> bool:
         """Whether m tokens have a plan (made now if need be: call it before a
@@ -299,18 +369,9 @@ class Fp8EpilogueGemm:
             or not residual.is_contiguous()
         ):
             raise ValueError(f"the residual must be contiguous fp16 [{m}, {self.n}]")
-        b, c, d, found = self.plan(m)
         out = torch.empty((m, self.n), dtype=self.out_dtype, device=self.device)
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        self.lib.call(
-            "cublasLtMatmul",
-            self.handle, self.desc, ctypes.byref(self.alpha),
-            self.weight8.data_ptr(), self.a_layout, x8.data_ptr(), b,
-            ctypes.byref(self.beta), None if residual is None else residual.data_ptr(),
-            c, out.data_ptr(), d,
-            ctypes.byref(found.algo), self.workspace.data_ptr(), WORKSPACE_BYTES,
-            stream,
-        )  # fmt: skip
+        rows = None if residual is None else residual.data_ptr()
+        self._run(self.plan(m), x8.data_ptr(), rows, out.data_ptr())
         return out
 
 
@@ -349,3 +410,5 @@ def fp8_epilogue_gemm(
 
 
 _logged: set[str] = set()
+# The timed choice per (tokens, N, K, epilogue, output type, residual).
+_tuned: dict[tuple[int, int, int, int, int, bool], _Heuristic] = {}
