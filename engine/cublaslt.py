@@ -7,13 +7,13 @@ applies GELU and writes e4m3: on the H200 at 16,384 tokens, 73 us of product
 and 39 us of pass a layer, and a fused Triton FP8 product was no faster than
 the two (112.8 us at best of 16 configurations, probe of session 12). cuBLASLt
 itself takes bias + GELU (or ReLU) and an e4m3 output with its scale in the
-epilogue, and a C matrix added before it: the residual, which the
-LayerNorm after attention-out and FFN-out then need not read. torch does not
-expose those calls, so :class:`Fp8EpilogueGemm` makes them through ctypes,
-against the libcublasLt that torch has already loaded.
+epilogue; torch does not expose that call, so :class:`Fp8EpilogueGemm` makes
+it through ctypes, against the libcublasLt that torch has already loaded. It
+also makes the plain product (bias, fp16 out) with an algorithm timed on its
+shape, where torch takes the heuristic's first.
 
     D [M, N] = e4m3(act(x8 [M, K] @ w8 [N, K]^T * scale_w * scale_x + bias) / scale_out)
-    D [M, N] = x8 [M, K] @ w8 [N, K]^T * scale_w * scale_x + bias + residual  (fp16)
+    D [M, N] = x8 [M, K] @ w8 [N, K]^T * scale_w * scale_x + bias  (fp16)
 
 Every scale is a device scalar read when the product runs (a CUDA graph
 replays with the current ones). A plan (matrix layouts, and the fastest of
@@ -172,8 +172,7 @@ def _set(
 class Fp8EpilogueGemm:
     """One cuBLASLt call (module docstring): ``act(x8 @ weight8^T * scale_w *
     scale_x + bias)`` as e4m3 in ``1 / out_inv_scale``, or, with no
-    ``out_inv_scale``, ``x8 @ weight8^T * scale_w * scale_x + bias (+ the
-    residual, with ``residual``)`` in fp16."""
+    ``out_inv_scale``, ``x8 @ weight8^T * scale_w * scale_x + bias`` in fp16."""
 
     def __init__(
         self,
@@ -183,12 +182,9 @@ class Fp8EpilogueGemm:
         bias: torch.Tensor,
         out_inv_scale: torch.Tensor | None,
         epilogue: int = EPILOGUE_GELU_BIAS,
-        residual: bool = False,
     ) -> None:
         if weight8.dtype != torch.float8_e4m3fn or bias.dtype != torch.float16:
             raise ValueError("an e4m3 weight and an fp16 bias")
-        if residual and out_inv_scale is not None:
-            raise ValueError("a residual is added to fp16 outputs only")
         self.device = weight8.device
         self.lib = _load(self.device)
         self.handle, self.workspace = self.lib.handle(self.device)
@@ -196,12 +192,10 @@ class Fp8EpilogueGemm:
         # Kept alive here: cuBLASLt holds their addresses.
         self.tensors = (weight8, weight_scale, input_scale, bias, out_inv_scale)
         self.weight8 = weight8
-        self.residual = residual
         self.epilogue = epilogue
         self.out_dtype = torch.float16 if out_inv_scale is None else torch.float8_e4m3fn
         self.d_type = CUDA_R_16F if out_inv_scale is None else CUDA_R_8F_E4M3
-        self.alpha = ctypes.c_float(1.0)
-        self.beta = ctypes.c_float(1.0 if residual else 0.0)
+        self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
         lib, desc = self.lib, ctypes.c_void_p()
         lib.call(
             "cublasLtMatmulDescCreate",
@@ -243,8 +237,8 @@ class Fp8EpilogueGemm:
         if m in self.plans:
             return self.plans[m]
         b = self._layout(CUDA_R_8F_E4M3, self.k, m, self.k)
-        # C: the residual, or none (beta = 0, the pointer NULL) but its layout,
-        # in the bias's type (what cuBLASLt wants there when D is e4m3).
+        # No C (beta = 0, the pointer NULL), but its layout: cuBLASLt wants the
+        # bias's type there when D is e4m3.
         c = self._layout(CUDA_R_16F, self.n, m, self.n)
         d = self._layout(self.d_type, self.n, m, self.n)
         pref = ctypes.c_void_p()
@@ -266,7 +260,7 @@ class Fp8EpilogueGemm:
         candidates = [r for r in results[: count.value] if r.state == 0]
         if not candidates:
             raise CublasLtError(f"no cuBLASLt algorithm for {m}x{self.n}x{self.k}")
-        key = (m, self.n, self.k, self.epilogue, self.d_type, self.residual)
+        key = (m, self.n, self.k, self.epilogue, self.d_type)
         found = _tuned.get(key)
         if found is None:
             if torch.cuda.is_current_stream_capturing():  # nothing can be timed
@@ -289,9 +283,7 @@ class Fp8EpilogueGemm:
         if len(candidates) == 1:
             return candidates[0]
         x8 = torch.randn(m, self.k, device=self.device).to(torch.float8_e4m3fn)
-        rows = torch.randn(m, self.n, device=self.device).half()
         out = torch.empty((m, self.n), dtype=self.out_dtype, device=self.device)
-        residual = rows.data_ptr() if self.residual else None
         plan = Plan(b, c, d, candidates[0])
         best, best_ms = candidates[0], float("inf")
         start = torch.cuda.Event(enable_timing=True)
@@ -300,10 +292,10 @@ class Fp8EpilogueGemm:
             plan = plan._replace(found=found)
             try:
                 for _ in range(2):  # warm-up
-                    self._run(plan, x8.data_ptr(), residual, out.data_ptr())
+                    self._run(plan, x8.data_ptr(), out.data_ptr())
                 start.record()
                 for _ in range(TIMED_RUNS):
-                    self._run(plan, x8.data_ptr(), residual, out.data_ptr())
+                    self._run(plan, x8.data_ptr(), out.data_ptr())
                 end.record()
                 end.synchronize()
             except CublasLtError:
@@ -317,14 +309,14 @@ class Fp8EpilogueGemm:
         )  # fmt: skip
         return best
 
-    def _run(self, plan: Plan, x8: int, residual: int | None, out: int) -> None:
+    def _run(self, plan: Plan, x8: int, out: int) -> None:
         """One cublasLtMatmul on the current stream, at these addresses."""
         stream = torch.cuda.current_stream(self.device).cuda_stream
         self.lib.call(
             "cublasLtMatmul",
             self.handle, self.desc, ctypes.byref(self.alpha),
             self.weight8.data_ptr(), self.a_layout, x8, plan.x,
-            ctypes.byref(self.beta), residual, plan.c, out, plan.d,
+            ctypes.byref(self.beta), None, plan.c, out, plan.d,
             ctypes.byref(plan.found.algo), self.workspace.data_ptr(),
             WORKSPACE_BYTES, stream,
         )  # fmt: skip
@@ -349,11 +341,9 @@ class Fp8EpilogueGemm:
                 )
         return False
 
-    def __call__(
-        self, x8: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """x8 [M, K] e4m3 (contiguous; with ``residual``, also fp16 [M, N])
-        -> [M, N] e4m3 or fp16, on the current stream."""
+    def __call__(self, x8: torch.Tensor) -> torch.Tensor:
+        """x8 [M, K] e4m3 (contiguous) -> [M, N] e4m3 or fp16, on the current
+        stream."""
         if x8.dtype != torch.float8_e4m3fn or x8.shape[1:] != (self.k,):
             raise ValueError(
                 f"e4m3 input [M, {self.k}] expected, got {x8.dtype} {tuple(x8.shape)}"
@@ -361,17 +351,8 @@ class Fp8EpilogueGemm:
         if not x8.is_contiguous() or x8.data_ptr() % 16:
             raise ValueError("the input must be contiguous and 16-byte aligned")
         m = x8.shape[0]
-        if (residual is not None) != self.residual:
-            raise ValueError("a residual is given exactly when one was planned")
-        if residual is not None and (
-            residual.shape != (m, self.n)
-            or residual.dtype != torch.float16
-            or not residual.is_contiguous()
-        ):
-            raise ValueError(f"the residual must be contiguous fp16 [{m}, {self.n}]")
         out = torch.empty((m, self.n), dtype=self.out_dtype, device=self.device)
-        rows = None if residual is None else residual.data_ptr()
-        self._run(self.plan(m), x8.data_ptr(), rows, out.data_ptr())
+        self._run(self.plan(m), x8.data_ptr(), out.data_ptr())
         return out
 
 
@@ -379,11 +360,10 @@ def fp8_epilogue_gemm(
     linear: torch.nn.Module,
     out_inv_scale: torch.Tensor | None = None,
     act: str | None = None,
-    residual: bool = False,
 ) -> Fp8EpilogueGemm | None:
-    """The fused product for an FP8 linear (engine/quant.Fp8Linear, tensor-wise):
-    followed by ``act`` ("gelu_tanh" or "relu") and written as e4m3 in
-    ``1 / out_inv_scale``, or (no ``act``, no scale) with the residual added;
+    """The cuBLASLt product of an FP8 linear (engine/quant.Fp8Linear,
+    tensor-wise): followed by ``act`` ("gelu_tanh" or "relu") and written as
+    e4m3 in ``1 / out_inv_scale``, or (no ``act``, no scale) plain, in fp16;
     None (and why, logged once per reason) where it cannot run here."""
     epilogues = {None: EPILOGUE_BIAS, "gelu_tanh": EPILOGUE_GELU_BIAS}
     epilogue = {**epilogues, "relu": EPILOGUE_RELU_BIAS}.get(act)
@@ -399,16 +379,14 @@ def fp8_epilogue_gemm(
             linear.bias,  # type: ignore[arg-type]
             out_inv_scale,
             epilogue,
-            residual,
         )
     except (CublasLtError, ValueError) as exc:
         if str(exc) not in _logged:
             _logged.add(str(exc))
-            what = "its residual add" if residual else "a separate activation pass"
-            log.warning("fp8: a product keeps %s: %s", what, exc)
+            log.warning("fp8: a product keeps torch's path: %s", exc)
         return None
 
 
 _logged: set[str] = set()
-# The timed choice per (tokens, N, K, epilogue, output type, residual).
-_tuned: dict[tuple[int, int, int, int, int, bool], _Heuristic] = {}
+# The timed choice per (tokens, N, K, epilogue, output type).
+_tuned: dict[tuple[int, int, int, int, int], _Heuristic] = {}

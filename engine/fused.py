@@ -57,20 +57,21 @@ PDL_ENV = "BERTH_PDL"
 # graph capture failed once; the cause was garbage collected during a capture,
 # which engine/cuda_graphs.capturing now holds off: notes/gpu.md, session 13.)
 FP8_EPILOGUE_ENV = "BERTH_FP8_EPILOGUE"
-# FP8 layers add the residual in the epilogue of attention-out's and FFN-out's
-# cuBLASLt products, so the LayerNorm after each reads one tensor, not two.
-# BERTH_FP8_RESIDUAL=0 leaves the add to the LayerNorm.
-FP8_RESIDUAL_ENV = "BERTH_FP8_RESIDUAL"
+# FP8 layers run QKV, attention-out and FFN-out as cuBLASLt products with an
+# algorithm timed on their shape (engine/cublaslt.py), not torch._scaled_mm's
+# (the heuristic's first). BERTH_FP8_TUNED=0 keeps torch's.
+FP8_TUNED_ENV = "BERTH_FP8_TUNED"
 
 
 class Fp8Layer(NamedTuple):
-    """How ``FusedForward._fp8_layer`` runs one FP8 layer; each product is
-    torch's (engine/quant.Fp8Linear) where its cuBLASLt plan is None."""
+    """How ``FusedForward._fp8_layer`` runs one FP8 layer; a product whose
+    cuBLASLt plan is None is torch's (engine/quant.Fp8Linear's forward)."""
 
     after: torch.Tensor | None  # 1 / the next layer's QKV input scale
     ffn_in: Fp8EpilogueGemm | None  # FFN-in with activation and e4m3 out
-    out: Fp8EpilogueGemm | None = None  # attention-out + bias + residual
-    ffn_out: Fp8EpilogueGemm | None = None  # FFN-out + bias + residual
+    qkv: Fp8EpilogueGemm | None = None  # the others, bias in, fp16 out
+    out: Fp8EpilogueGemm | None = None
+    ffn_out: Fp8EpilogueGemm | None = None
 
 
 # Dependent launches up to this many tokens a forward. H200, end to end over
@@ -113,7 +114,7 @@ class FusedForward:
         gelu_epilogue: bool = True,
         pdl: bool | None = None,
         fp8_epilogue: bool | None = None,
-        fp8_residual: bool | None = None,
+        fp8_tuned: bool | None = None,
     ) -> None:
         self.served = served
         self.encoder = served.encoder
@@ -146,18 +147,17 @@ class FusedForward:
         self._plans: dict[int, dict[str, kernels.LinearConfig]] = {}  # by tokens
         if fp8_epilogue is None:
             fp8_epilogue = os.environ.get(FP8_EPILOGUE_ENV, "1") not in ("0", "false")
-        if fp8_residual is None:
-            fp8_residual = os.environ.get(FP8_RESIDUAL_ENV, "1") not in ("0", "false")
-        self.fp8 = self._fp8_plans(fp8_epilogue, fp8_residual)
+        if fp8_tuned is None:
+            fp8_tuned = os.environ.get(FP8_TUNED_ENV, "1") not in ("0", "false")
+        self.fp8 = self._fp8_plans(fp8_epilogue, fp8_tuned)
 
-    def _fp8_plans(self, epilogue: bool, residual: bool) -> list[Fp8Layer | None]:
+    def _fp8_plans(self, epilogue: bool, tuned: bool) -> list[Fp8Layer | None]:
         """For each layer whose projections are static tensor-wise FP8
         (``_fp8_layer``): the next layer's QKV input scale, when that product
         is FP8 too (this layer's closing LayerNorm writes its e4m3 input), and
         with ``epilogue``, FFN-in as one cuBLASLt product that applies the
-        activation and writes FFN-out's e4m3 input, and with ``residual``,
-        attention-out and FFN-out as cuBLASLt products that add the residual
-        (engine/cublaslt.py)."""
+        activation and writes FFN-out's e4m3 input, and with ``tuned``, the
+        other products as cuBLASLt's with timed algorithms (engine/cublaslt.py)."""
         ready = [_fp8_ready(layer) for layer in self.layers]
         act = {kernels.ACT_GELU_TANH: "gelu_tanh", kernels.ACT_RELU: "relu"}
         plans: list[Fp8Layer | None] = []
@@ -167,20 +167,21 @@ class FusedForward:
                 continue
             follows = i + 1 < len(self.layers) and ready[i + 1]
             after = _inv_scale(self.layers[i + 1].attention.qkv) if follows else None
-            ffn_in = out = ffn_out = None
+            ffn_in = None
             if epilogue and self.plan_act in act:
                 ffn_in = fp8_epilogue_gemm(
                     layer.ffn_in, _inv_scale(layer.ffn_out), act[self.plan_act]
                 )
-            if residual:
-                out = fp8_epilogue_gemm(layer.attention.out, residual=True)
-                ffn_out = fp8_epilogue_gemm(layer.ffn_out, residual=True)
-            plans.append(Fp8Layer(after, ffn_in, out, ffn_out))
+            others = (layer.attention.qkv, layer.attention.out, layer.ffn_out)
+            qkv, out, ffn_out = (
+                fp8_epilogue_gemm(p) if tuned else None for p in others
+            )
+            plans.append(Fp8Layer(after, ffn_in, qkv, out, ffn_out))
         made = [p for p in plans if p is not None]
         if made:
             log.info(
-                "fp8: %d of %d layers run as FP8 layers; in cuBLASLt's epilogue: "
-                "FFN-in's activation in %d, the residual added in %d",
+                "fp8: %d of %d layers run as FP8 layers, %d with FFN-in's "
+                "activation in cuBLASLt's epilogue, %d with timed cuBLASLt products",
                 len(made), len(plans), sum(p.ffn_in is not None for p in made),
                 sum(p.ffn_out is not None for p in made),
             )  # fmt: skip
@@ -392,29 +393,27 @@ class FusedForward:
         """A layer of static tensor-wise FP8 products (engine/quant.Fp8Linear):
         each product's e4m3 input is written by the kernel before it (the
         LayerNorm, FFN-in's epilogue or an activation pass, a pass over the
-        attention's output), and cuBLASLt adds the biases (and, where planned,
-        the residual: the LayerNorm then reads one tensor). The attention's
-        output projection may be kept in fp16 (``quantize_fp8(keep=...)``),
-        taking the attention's output as it is. The activation is
-        the fp16 engine's (``plan_act``: GELU's tanh form on the GPU, as its
-        cuBLASLt epilogue computes). Returns the
-        layer's output and, where the plan has the next QKV product's input
-        scale, the same rows as that product's e4m3 input."""
+        attention's output), and cuBLASLt adds the biases (in products with
+        timed algorithms, where planned). The attention's output projection
+        may be kept in fp16 (``quantize_fp8(keep=...)``), taking the
+        attention's output as it is. The activation is the fp16 engine's
+        (``plan_act``: GELU's tanh form on the GPU, as its cuBLASLt epilogue
+        computes). Returns the layer's output and, where the plan has the next
+        QKV product's input scale, the same rows as that product's e4m3 input."""
         att = layer.attention
         qkv, out, ffn_in, ffn_out = att.qkv, att.out, layer.ffn_in, layer.ffn_out
         pdl = self._dependent(len(x))
         if x8 is None:
             x8 = kernels.quantize_e4m3(x, _inv_scale(qkv), pdl=pdl)
-        context = self._attend(qkv(x8), batch, length, keys)
-        residual: torch.Tensor | None = x
+        context = self._attend(_product(plan.qkv, qkv, x8), batch, length, keys)
         if isinstance(out, nn.Linear):
             y = F.linear(context, out.weight, out.bias)
         else:
             context8 = kernels.quantize_e4m3(context, _inv_scale(out), pdl=pdl)
-            y, residual = _add_residual(plan.out, out, context8, x)
+            y = _product(plan.out, out, context8)
         norm = layer.norm1
         x, h8 = kernels.add_layer_norm_e4m3(
-            y, residual, norm.weight, norm.bias, self.eps, _inv_scale(ffn_in), pdl
+            y, x, norm.weight, norm.bias, self.eps, _inv_scale(ffn_in), pdl
         )
         if plan.ffn_in is not None and plan.ffn_in.runs(len(h8)):
             inner8 = plan.ffn_in(h8)
@@ -422,14 +421,11 @@ class FusedForward:
             inner8 = kernels.quantize_e4m3(
                 ffn_in(h8), _inv_scale(ffn_out), self.plan_act, pdl
             )
-        y, residual = _add_residual(plan.ffn_out, ffn_out, inner8, x)
-        norm = layer.norm2
+        y, norm = _product(plan.ffn_out, ffn_out, inner8), layer.norm2
         if plan.after is None:
-            return add_layer_norm(
-                y, residual, norm.weight, norm.bias, self.eps, pdl=pdl
-            ), None
+            return add_layer_norm(y, x, norm.weight, norm.bias, self.eps, pdl=pdl), None
         return kernels.add_layer_norm_e4m3(
-            y, residual, norm.weight, norm.bias, self.eps, plan.after, pdl
+            y, x, norm.weight, norm.bias, self.eps, plan.after, pdl
         )
 
     def _layer(
@@ -563,17 +559,14 @@ def _fp8_ready(layer: EncoderLayer) -> bool:
     )
 
 
-def _add_residual(
-    gemm: Fp8EpilogueGemm | None,
-    product: nn.Module,
-    x8: torch.Tensor,
-    residual: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(product(x8) + residual, None), one cuBLASLt call, where ``gemm`` runs
-    this many tokens; else (product(x8), residual), for the LayerNorm to add."""
+def _product(
+    gemm: Fp8EpilogueGemm | None, linear: nn.Module, x8: torch.Tensor
+) -> torch.Tensor:
+    """An FP8 projection of e4m3 x8: its cuBLASLt plan where it has one for
+    this many tokens, else the module (torch._scaled_mm)."""
     if gemm is not None and gemm.runs(len(x8)):
-        return gemm(x8, residual), None
-    return product(x8), residual
+        return gemm(x8)
+    return cast(torch.Tensor, linear(x8))
 
 
 def _inv_scale(projection: nn.Module) -> torch.Tensor:

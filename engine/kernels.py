@@ -129,19 +129,17 @@ if triton is not None:
     def _add_layer_norm_kernel(  # type: ignore[no-untyped-def]
         x_ptr, r_ptr, w_ptr, b_ptr, out_ptr, q_ptr, inv_ptr, n_rows, n_cols, eps,
         ROWS: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr,
-        RESIDUAL: tl.constexpr, GDC: tl.constexpr,
+        GDC: tl.constexpr,
     ):  # fmt: skip
         # With QUANT, the normalized rows are also stored as e4m3 (q_ptr), in
-        # the scale the next FP8 matmul reads them with (1 / scale at inv_ptr);
-        # without RESIDUAL, x already holds the sum (a product added it).
+        # the scale the next FP8 matmul reads them with (1 / scale at inv_ptr).
         _chain(GDC)
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK)
         keep = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
         offsets = rows[:, None] * n_cols + cols[None, :]
         x = tl.load(x_ptr + offsets, mask=keep, other=0.0).to(tl.float32)
-        if RESIDUAL:
-            x += tl.load(r_ptr + offsets, mask=keep, other=0.0).to(tl.float32)
+        x += tl.load(r_ptr + offsets, mask=keep, other=0.0).to(tl.float32)
         y = _layer_norm(x, keep, cols, n_cols, eps, w_ptr, b_ptr)
         tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=keep)
         if QUANT:
@@ -315,20 +313,18 @@ if triton is not None:
 
 def add_layer_norm(
     x: torch.Tensor,
-    residual: torch.Tensor | None,
+    residual: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor,
     eps: float,
     rows_per_program: int | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
-    """LayerNorm(x + residual) over rows of a contiguous [tokens, hidden]
-    (of x alone with no ``residual``: a product added it).
+    """LayerNorm(x + residual) over rows of a contiguous [tokens, hidden].
 
     Several rows per program once there are many: fewer, fuller programs."""
     if not use_triton(x):
-        summed = x if residual is None else x + residual
-        return F.layer_norm(summed, x.shape[-1:], weight, bias, eps)
+        return F.layer_norm(x + residual, x.shape[-1:], weight, bias, eps)
     out = torch.empty_like(x)
     _add_layer_norm(x, residual, weight, bias, eps, out, None, rows_per_program, pdl)
     return out
@@ -336,7 +332,7 @@ def add_layer_norm(
 
 def add_layer_norm_e4m3(
     x: torch.Tensor,
-    residual: torch.Tensor | None,
+    residual: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor,
     eps: float,
@@ -344,11 +340,12 @@ def add_layer_norm_e4m3(
     pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(LayerNorm(x + residual), the same rows as e4m3 over ``1 / inv_scale``):
-    the residual stream and the next FP8 matmul's input, in one pass. With no
-    ``residual``, x is the sum already (engine/cublaslt.py's products add it)."""
+    the residual stream and the next FP8 matmul's input, in one pass."""
     if not use_triton(x):  # both from the float32 rows, as the kernel does
-        summed = x.float() if residual is None else x.float() + residual.float()
-        rows = F.layer_norm(summed, x.shape[-1:], weight.float(), bias.float(), eps)
+        rows = F.layer_norm(
+            x.float() + residual.float(), x.shape[-1:], weight.float(),
+            bias.float(), eps,
+        )  # fmt: skip
         return rows.to(x.dtype), to_e4m3(rows, inv_scale)
     out = torch.empty_like(x)
     out8 = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
@@ -358,7 +355,7 @@ def add_layer_norm_e4m3(
 
 def _add_layer_norm(
     x: torch.Tensor,
-    residual: torch.Tensor | None,
+    residual: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor,
     eps: float,
@@ -372,9 +369,9 @@ def _add_layer_norm(
     block = triton.next_power_of_2(cols)
     out8, inv = quant if quant is not None else (out, bias)  # unread without QUANT
     _add_layer_norm_kernel[(triton.cdiv(rows, per),)](
-        x, x if residual is None else residual, weight, bias, out, out8, inv, rows,
-        cols, eps, ROWS=per, BLOCK=block, QUANT=quant is not None,
-        RESIDUAL=residual is not None, num_warps=_warps(per * block), **_launch(pdl),
+        x, residual, weight, bias, out, out8, inv, rows, cols, eps,
+        ROWS=per, BLOCK=block, QUANT=quant is not None,
+        num_warps=_warps(per * block), **_launch(pdl),
     )  # fmt: skip
 
 
