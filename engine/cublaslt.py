@@ -22,9 +22,11 @@ at its first call;
 cublasLtMatmul itself only enqueues work on torch's current stream, so it is
 captured into CUDA graphs like any kernel. Where any of it is missing (no
 CUDA, no libcublasLt, no algorithm at load), :func:`fp8_epilogue_gemm`
-returns None and the caller keeps the separate pass; a token count that has
-no algorithm takes the pass too (:meth:`Fp8EpilogueGemm.runs`). The engine takes this
-path unless ``BERTH_FP8_EPILOGUE=0`` (engine/fused.py).
+returns None and the caller keeps torch's product (and, for FFN-in, the
+separate pass); so does a token count that has no algorithm
+(:meth:`Fp8EpilogueGemm.runs`). The engine takes FFN-in's epilogue unless
+``BERTH_FP8_EPILOGUE=0`` and the timed plain products unless
+``BERTH_FP8_TUNED=0`` (engine/fused.py).
 """
 
 from __future__ import annotations
@@ -260,13 +262,17 @@ class Fp8EpilogueGemm:
         candidates = [r for r in results[: count.value] if r.state == 0]
         if not candidates:
             raise CublasLtError(f"no cuBLASLt algorithm for {m}x{self.n}x{self.k}")
-        key = (m, self.n, self.k, self.epilogue, self.d_type)
-        found = _tuned.get(key)
+        index = self.device.index if self.device.index is not None else -1
+        key = (index, m, self.n, self.k, self.epilogue, self.d_type)
+        algos = {bytes(r.algo): r for r in candidates}
+        known = _tuned.get(key)
+        found = algos.get(bytes(known.algo)) if known is not None else None
         if found is None:
-            if torch.cuda.is_current_stream_capturing():  # nothing can be timed
-                found = candidates[0]
-            else:
-                found = _tuned[key] = self._fastest(m, candidates, b, c, d)
+            with torch.cuda.device(self.device):
+                if torch.cuda.is_current_stream_capturing():  # nothing can be timed
+                    found = candidates[0]
+                else:
+                    found = _tuned[key] = self._fastest(m, candidates, b, c, d)
         self.plans[m] = Plan(b, c, d, found)
         return self.plans[m]
 
@@ -278,12 +284,14 @@ class Fp8EpilogueGemm:
         c: ctypes.c_void_p,
         d: ctypes.c_void_p,
     ) -> _Heuristic:
-        """The candidate that runs this product fastest, on scratch rows (a
-        candidate that fails to run is passed over)."""
+        """The candidate that runs this product fastest, on scratch rows, on
+        the product's device and stream (one that fails to run is passed
+        over; none running is an error)."""
         if len(candidates) == 1:
             return candidates[0]
         x8 = torch.randn(m, self.k, device=self.device).to(torch.float8_e4m3fn)
         out = torch.empty((m, self.n), dtype=self.out_dtype, device=self.device)
+        stream = torch.cuda.current_stream(self.device)
         plan = Plan(b, c, d, candidates[0])
         best, best_ms = candidates[0], float("inf")
         start = torch.cuda.Event(enable_timing=True)
@@ -293,16 +301,20 @@ class Fp8EpilogueGemm:
             try:
                 for _ in range(2):  # warm-up
                     self._run(plan, x8.data_ptr(), out.data_ptr())
-                start.record()
+                start.record(stream)
                 for _ in range(TIMED_RUNS):
                     self._run(plan, x8.data_ptr(), out.data_ptr())
-                end.record()
+                end.record(stream)
                 end.synchronize()
             except CublasLtError:
                 continue
             ms = start.elapsed_time(end) / TIMED_RUNS
             if ms < best_ms:
                 best, best_ms = found, ms
+        if best_ms == float("inf"):
+            raise CublasLtError(
+                f"none of {len(candidates)} algorithms ran {m}x{self.n}x{self.k}"
+            )
         log.debug(
             "fp8: %dx%dx%d product: the fastest of %d cuBLASLt candidates, %.1f us",
             m, self.n, self.k, len(candidates), best_ms * 1000,
@@ -323,7 +335,8 @@ class Fp8EpilogueGemm:
 
     def runs(self, m: int) -> bool:
         """Whether m tokens have a plan (made now if need be: call it before a
-        graph capture); one without is logged once and takes the caller's pass."""
+        graph capture); one without is logged once, and the caller takes
+        torch's product (and pass) instead."""
         if m in self.plans:
             return True
         if m not in self.refused:
@@ -348,8 +361,10 @@ class Fp8EpilogueGemm:
             raise ValueError(
                 f"e4m3 input [M, {self.k}] expected, got {x8.dtype} {tuple(x8.shape)}"
             )
-        if not x8.is_contiguous() or x8.data_ptr() % 16:
-            raise ValueError("the input must be contiguous and 16-byte aligned")
+        # cuBLASLt's heuristic assumes 256-byte aligned matrices (its default
+        # alignment preferences); the fused forward's are fresh allocations.
+        if not x8.is_contiguous() or x8.data_ptr() % 256:
+            raise ValueError("the input must be contiguous and 256-byte aligned")
         m = x8.shape[0]
         out = torch.empty((m, self.n), dtype=self.out_dtype, device=self.device)
         self._run(self.plan(m), x8.data_ptr(), out.data_ptr())
@@ -388,5 +403,5 @@ def fp8_epilogue_gemm(
 
 
 _logged: set[str] = set()
-# The timed choice per (tokens, N, K, epilogue, output type).
-_tuned: dict[tuple[int, int, int, int, int], _Heuristic] = {}
+# The timed choice per (device, tokens, N, K, epilogue, output type).
+_tuned: dict[tuple[int, int, int, int, int, int], _Heuristic] = {}

@@ -25,6 +25,7 @@ import bisect
 import contextlib
 import gc
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -106,15 +107,28 @@ def capturing(graph: torch.cuda.CUDAGraph, **kwargs: Any) -> Iterator[None]:
     collection before each capture until 2.9, none since (pytorch#161037,
     TransformerEngine#2092). Thread-local mode keeps other threads' calls
     (a serving thread's event waits) from invalidating this thread's capture.
+    Captures in several threads at once keep the collector paused until the
+    last of them ends.
     """
-    enabled = gc.isenabled()
-    gc.disable()
+    global _captures, _collector_was_on
+    with _capture_lock:
+        if _captures == 0:
+            _collector_was_on = gc.isenabled()
+            gc.disable()
+        _captures += 1
     try:
         with torch.cuda.graph(graph, capture_error_mode="thread_local", **kwargs):
             yield
     finally:
-        if enabled:
-            gc.enable()
+        with _capture_lock:
+            _captures -= 1
+            if _captures == 0 and _collector_was_on:
+                gc.enable()
+
+
+_capture_lock = threading.Lock()
+_captures = 0  # captures under way, in any thread
+_collector_was_on = True
 
 
 @dataclass

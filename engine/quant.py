@@ -10,10 +10,11 @@ classifier head keep their precision.
   calibration texts, activation outliers are first smoothed into the
   weights (SmoothQuant).
 - ``fp8`` (CUDA, Hopper/Ada): :class:`Fp8Linear`, e4m3 weights with one
-  scale per weight (per output channel in the row-wise variant) and a static
-  activation scale per layer calibrated on real texts
-  (:func:`record_input_amax`), multiplied by ``torch._scaled_mm`` with the
-  bias in its epilogue, writing the model's fp16. Its forward has no
+  scale per weight (per output channel in the row-wise variant), their codes
+  rounded by GPTQ (:func:`gptq_e4m3`), and a static activation scale per
+  layer, both calibrated on real texts (:func:`record_inputs`), multiplied
+  by ``torch._scaled_mm`` with the bias in its epilogue, writing the model's
+  fp16 (the fused forward calls cuBLASLt itself: engine/cublaslt.py). Its forward has no
   data-dependent control flow and no host sync, so it lives inside the
   engine's CUDA graphs, where engine/fused.py's LayerNorm and GELU kernels
   write the next product's e4m3 input themselves.
@@ -460,14 +461,24 @@ def gptq_e4m3(
     inv = (1.0 / scale.float()).reshape(-1, 1) if scale.dim() else 1.0 / scale.float()
     outs = scale.float().reshape(-1) if scale.dim() else scale.float()
     h = gram.detach().float().to(w.device).clone()
-    dead = torch.diag(h) == 0  # inputs never seen: their weights do not matter
+    # An input never seen has a zero row and column: its weights spread no
+    # error and take their nearest codes (they still count, should it fire).
+    dead = torch.diag(h) == 0
     h[dead, dead] = 1.0
-    w[:, dead] = 0.0
-    h += damp * torch.diag(h).mean() * torch.eye(columns, device=w.device)
-    # The upper Cholesky factor of H^-1: row i holds how column i's error
-    # spreads over the columns after it.
-    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)))
-    hinv = hinv.t().contiguous()
+    eye = torch.eye(columns, device=w.device)
+    for attempt in range(4):
+        # The upper Cholesky factor of H^-1: row i holds how column i's
+        # error spreads over the columns after it.
+        damped = h + damp * 10**attempt * torch.diag(h).mean() * eye
+        lower, info = torch.linalg.cholesky_ex(damped)
+        if int(info) == 0:
+            factor, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(lower))
+            if int(info) == 0:
+                break
+    else:  # X^T X too ill-conditioned even damped 1,000 times more
+        log.warning("fp8: X^T X not positive definite; weights rounded to nearest")
+        return kernels.to_e4m3(w, inv)
+    hinv = factor.t().contiguous()
     codes = torch.empty(w.shape, dtype=FP8, device=w.device)
     for first in range(0, columns, block):
         last = min(first + block, columns)
@@ -485,9 +496,9 @@ def gptq_e4m3(
 
 # Projections the served FP8 layer keeps in the encoder's fp16: none. Keeping
 # the attention output's (its input's rounding alone flipped the most intent
-# answers in a CPU simulation) measured slower and no more accurate on the
-# H200 once the weights are rounded by GPTQ: 1.382x against 1.401x the fp16
-# engine, 98.85 % against 99.62 % intent agreement (notes/gpu.md, session 13).
+# answers in a CPU simulation) measured slower and less accurate on the H200
+# once the weights are rounded by GPTQ: 1.402x against 1.433x the fp16 engine,
+# 98.85 % against 99.62 % intent agreement (notes/gpu.md, session 13).
 FP8_KEEP = frozenset[str]()
 
 

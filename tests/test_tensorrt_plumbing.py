@@ -461,7 +461,7 @@ class _FakeSlot:
 
 
 @contextlib.contextmanager
-def _capturing(graph: _FakeGraph, stream: Any = None) -> Iterator[None]:
+def _capturing(graph: _FakeGraph, stream: Any = None, **_: Any) -> Iterator[None]:
     _Capture.graph = graph
     try:
         yield

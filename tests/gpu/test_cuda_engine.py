@@ -617,7 +617,7 @@ def test_fp8_forward_with_the_cublaslt_epilogue_in_graphs(refs: Fixtures) -> Non
     cuda = CudaBackend("cuda:0")
     cuda.load(dataclasses.replace(entry, quantize="fp8"))
     served = cuda.runner("intent").forward.served
-    fused = FusedForward(served)
+    fused = FusedForward(served, fp8_epilogue=True, fp8_tuned=True)  # the defaults
     assert all(p is not None and None not in p[1:] for p in fused.fp8)
     plain = FusedForward(served, fp8_epilogue=False, fp8_tuned=False)
     assert all(p is not None and p[1:] == (None,) * 4 for p in plain.fp8)
