@@ -52,7 +52,7 @@ ATTENTION_KINDS = ("flash", "triton", "sdpa")
 # BERTH_PDL=0: kernels launched the classic way (no dependent launches).
 PDL_ENV = "BERTH_PDL"
 # FP8 layers apply FFN-in's activation in cuBLASLt's epilogue (engine/cublaslt.py)
-# instead of a separate pass: 1.06-1.07x the FP8 engine at 128 x 128 on the
+# instead of a separate pass: 1.06-1.08x the FP8 engine at 128 x 128 on the
 # H200. BERTH_FP8_EPILOGUE=0 keeps the pass. (Session 12 left it opt-in after a
 # graph capture failed once; the cause was garbage collected during a capture,
 # which engine/cuda_graphs.capturing now holds off: notes/gpu.md, session 13.)

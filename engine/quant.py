@@ -14,10 +14,11 @@ classifier head keep their precision.
   rounded by GPTQ (:func:`gptq_e4m3`), and a static activation scale per
   layer, both calibrated on real texts (:func:`record_inputs`), multiplied
   by ``torch._scaled_mm`` with the bias in its epilogue, writing the model's
-  fp16 (the fused forward calls cuBLASLt itself: engine/cublaslt.py). Its forward has no
-  data-dependent control flow and no host sync, so it lives inside the
-  engine's CUDA graphs, where engine/fused.py's LayerNorm and GELU kernels
-  write the next product's e4m3 input themselves.
+  fp16 (the fused forward makes the same products through cuBLASLt itself,
+  engine/cublaslt.py). Its forward has no data-dependent control flow and no
+  host sync, so it lives inside the engine's CUDA graphs, where
+  engine/fused.py's LayerNorm and GELU kernels write the next product's e4m3
+  input themselves.
 
 The scale arithmetic is plain torch and runs (and is tested) on the CPU;
 ``torch._scaled_mm`` also runs there, slowly, as a reference.
