@@ -55,6 +55,12 @@ WORKSPACE_BYTES = 32 << 20
 # shape once per process (:meth:`Fp8EpilogueGemm.plan`) and the fastest kept.
 CANDIDATES = 8
 TIMED_RUNS = 10
+# fp8_epilogue_gemm's activations, by name (None: the bias alone).
+EPILOGUES = {
+    None: EPILOGUE_BIAS,
+    "gelu_tanh": EPILOGUE_GELU_BIAS,
+    "relu": EPILOGUE_RELU_BIAS,
+}
 
 
 class _Heuristic(ctypes.Structure):
@@ -234,7 +240,8 @@ class Fp8EpilogueGemm:
     def plan(self, m: int) -> Plan:
         """The layouts and the algorithm for m tokens: the fastest of
         cuBLASLt's heuristic's candidates, timed on this shape (once per
-        process and problem: products of the same shape and kind share it),
+        process, device and problem: products of the same shape and kind
+        share it),
         or its first candidate while a graph is being captured."""
         if m in self.plans:
             return self.plans[m]
@@ -380,8 +387,7 @@ def fp8_epilogue_gemm(
     tensor-wise): followed by ``act`` ("gelu_tanh" or "relu") and written as
     e4m3 in ``1 / out_inv_scale``, or (no ``act``, no scale) plain, in fp16;
     None (and why, logged once per reason) where it cannot run here."""
-    epilogues = {None: EPILOGUE_BIAS, "gelu_tanh": EPILOGUE_GELU_BIAS}
-    epilogue = {**epilogues, "relu": EPILOGUE_RELU_BIAS}.get(act)
+    epilogue = EPILOGUES.get(act)
     weight8 = getattr(linear, "weight8", None)
     tensorwise = getattr(linear, "static_tensorwise", False)  # one scale each
     if epilogue is None or weight8 is None or not tensorwise or not weight8.is_cuda:
