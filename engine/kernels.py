@@ -599,13 +599,7 @@ def linear(
     if not use_triton(x) or not config.fits(k):
         if config.split > 1:  # one "partial": the whole product
             return (x.float() @ weight.float().t()).unsqueeze(0)
-        out = F.linear(x, weight, bias)
-        if activation == ACT_RELU:
-            return F.relu(out)
-        if activation in (ACT_GELU_TANH, ACT_GELU_ERF):
-            tanh = activation == ACT_GELU_TANH
-            return F.gelu(out, approximate="tanh" if tanh else "none")
-        return out
+        return _activate_reference(F.linear(x, weight, bias), activation)
     if config.split > 1:
         out = torch.empty(config.split, rows, n, dtype=torch.float32, device=x.device)
     else:

@@ -6,7 +6,7 @@ import asyncio
 import itertools
 import logging
 import struct
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any, Protocol
 
 import numpy as np
@@ -115,6 +115,8 @@ class BatcherClient(
         self._stub = internal_pb2_grpc.BatcherStub(self.channel)
         self._ids = itertools.count(1)
         self.ready = asyncio.Event()
+        # Called with True / False each time the stream comes up / goes down.
+        self.listeners: list[Callable[[bool], None]] = []
 
     async def run(
         self,
@@ -183,3 +185,5 @@ class BatcherClient(
         else:
             log.warning("lost batcher %s: %s", self.address, reason)
             self.ready.clear()
+        for listener in self.listeners:
+            listener(connected)

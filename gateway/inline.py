@@ -175,7 +175,8 @@ class DirectWhenIdle:
         self.direct = direct
         self.ready = batcher.ready
         self.in_flight = 0
-        self._batcher_was_up = True  # (a first request before it connects: said)
+        self._batcher_lost = False  # (its first connection changes no route)
+        batcher.listeners.append(self._batcher_changed)
 
     @property
     def connected(self) -> bool:
@@ -206,7 +207,6 @@ class DirectWhenIdle:
         trace_context: dict[str, str] | None = None,
     ) -> list[internal_pb2.SequenceResult]:
         """Run every sequence through the model; raises the first failure."""
-        self._note_batcher()
         if not self.batcher.connected:
             ROUTES.labels(model, "direct_batcher_down").inc()
             return await self.direct.run(model, ids, timeout_ms, trace_context)
@@ -238,18 +238,17 @@ class DirectWhenIdle:
         finally:
             self.in_flight -= 1
 
-    def _note_batcher(self) -> None:
+    def _batcher_changed(self, connected: bool) -> None:
         """Say when the route changes because the batcher came or went."""
-        up = self.batcher.connected
-        if up != self._batcher_was_up:
-            self._batcher_was_up = up
-            if up:
-                log.info("batcher connected: requests go through it again")
-            else:
-                log.warning(
-                    "batcher unreachable: every request goes straight to the "
-                    "engines until it is back"
-                )
+        if not connected:
+            self._batcher_lost = True
+            log.warning(
+                "batcher unreachable: every request goes straight to the "
+                "engines until it is back"
+            )
+        elif self._batcher_lost:
+            self._batcher_lost = False
+            log.info("batcher connected: requests go through it again")
 
 
 def _left(timeout_ms: int, began: float, model: str, exc: Exception) -> int:
