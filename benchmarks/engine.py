@@ -243,6 +243,7 @@ def bench_shape(
         "ceiling_pct": round(100 * tflops / peak, 1),
         "min_cos_vs_hf": round(float(cos.min()), 6),
         "attention": backends[DEFAULT_INPUT].runner(name).forward.chosen[shape],
+        "preload": backends[DEFAULT_INPUT].runner(name).forward.preloaded[shape],
     }
     if full:
         row["rows_full"] = True

@@ -8,9 +8,13 @@ CudaBackends on the same random-weight models and inputs:
 
 - classic: every kernel launched the classic way (``pdl=False``), the
   baseline;
-- pdl: the default on Hopper: berth's Triton kernels launched dependent in
-  forwards of up to engine.fused.PDL_MAX_TOKENS tokens (cuBLAS's GEMMs
-  launch the classic way: a chain breaks at them);
+- pdl: berth's Triton kernels launched dependent in forwards of up to
+  engine.fused.PDL_MAX_TOKENS tokens, with engine/kernels.SMALL_LINEAR's
+  GEMMs (cuBLAS's launch the classic way: a chain breaks at them);
+- preload: the default on Hopper: pdl, and each shape of up to 128 tokens
+  timed at capture with PRELOAD_LINEAR's GEMMs too (every GEMM berth's,
+  its weights read before it waits: one unbroken chain), the faster kept
+  (``preloaded`` in the JSON says which);
 - pdl-all: dependent launches at every token count (what set that limit).
 
 Attention is berth's Triton kernel in every variant (BERTH_ATTENTION=triton;
@@ -47,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.engine import inputs, time_calls, write_checkpoint  # noqa: E402
 from engine.cuda_backend import CudaBackend  # noqa: E402
 
-VARIANTS = ("classic", "pdl", "pdl-all")
+VARIANTS = ("classic", "pdl", "preload", "pdl-all")
 SHAPES = {
     "bert-base": [
         *((1, n) for n in (16, 32, 64, 128, 256, 512)),
@@ -60,8 +64,10 @@ SHAPES = {
 def backend(variant: str, entry: Any, shapes: list[tuple[int, int]]) -> CudaBackend:
     cuda = CudaBackend("cuda:0", pdl=variant != "classic")
     cuda.load(entry)
+    forward = cuda.runner(entry.name).forward
     if variant == "pdl-all":
-        cuda.runner(entry.name).forward.pdl_max_tokens = 1 << 30
+        forward.pdl_max_tokens = 1 << 30
+    forward.preload = variant != "pdl"
     cuda.warmup(entry.name, shapes)
     return cuda
 
@@ -86,6 +92,7 @@ def bench_shape(
             graph[variant].append(statistics.median(computes) * 1e3)
     outputs = {v: cuda.run_bytes(*args)[0].copy() for v, cuda in backends.items()}
     row: dict[str, Any] = {"model": name, "batch": batch, "length": length}
+    row["preloaded"] = backends["preload"].runner(name).forward.preloaded[shape]
     for variant in backends:
         key = variant.replace("-", "_")
         row[f"{key}_ms"] = round(statistics.median(e2e[variant]), 4)
@@ -102,14 +109,15 @@ def line(row: dict[str, Any]) -> str:
         key = variant.replace("-", "_")
         ms, graph = row[f"{key}_ms"], row[f"{key}_graph_ms"]
         cells.append(f"{ms:7.3f} {graph:7.3f} {base / ms:5.2f}x")
-    cells.append(f"{row['pdl_max_diff']:9.2e}")
+    cells.append(f"{row['pdl_max_diff']:9.2e} {row['preload_max_diff']:9.2e}")
+    cells.append("preloaded" if row["preloaded"] else "")
     return " | ".join(cells)
 
 
 HEADER = (
     f"{'model':9} {'batch':>5} {'len':>5} | "
     + " | ".join(f"{v:>21}" for v in VARIANTS)
-    + " | pdl diff"
+    + " | pdl, preload diff"
 )
 
 
@@ -128,7 +136,7 @@ def main() -> None:
     }
     print(
         "per variant: ms end to end, graph ms, end-to-end ratio against classic "
-        "(>1: faster); pdl diff: pdl's largest output difference from classic's"
+        "(>1: faster); diff: the largest output difference from classic's"
     )
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):

@@ -181,6 +181,7 @@ class ModelRunner:
             for batch, length in fits:  # the faster attention kernel per shape
                 ladder = token_ladder(batch, length) if self.pack else []
                 self.forward.choose_attention(batch, length, packed=bool(ladder))
+                self.forward.choose_plan(batch, length)
                 if not self.forward.packs(batch, length):
                     ladder = []
                 if ladder:  # its top rung: batches of full rows
@@ -375,9 +376,11 @@ class CudaBackend(TorchBackend):
         torch.cuda.synchronize(self.torch_device)
         torch.cuda.empty_cache()  # the eager warm-ups' blocks; graphs keep their pool
         chosen = list(runner.forward.chosen.values())
+        preloaded = sum(runner.forward.preloaded.values())
         log.info(
             "model %s: %d CUDA graphs captured for %d shapes (%s inputs, pinned "
-            "memory from %s) in %.2f s; %.0f MiB reserved on %s; attention %s",
+            "memory from %s) in %.2f s; %.0f MiB reserved on %s; attention %s; "
+            "preloading GEMMs on %d shapes",
             model,
             len(runner.graphs),
             len(set(shapes)),
@@ -387,6 +390,7 @@ class CudaBackend(TorchBackend):
             torch.cuda.memory_reserved(self.torch_device) / 2**20,
             self.device,
             ", ".join(f"{k} on {chosen.count(k)} shapes" for k in sorted(set(chosen))),
+            preloaded,
         )
 
     def run(self, model: str, token_ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:

@@ -51,6 +51,9 @@ ATTENTION_ENV = "BERTH_ATTENTION"
 ATTENTION_KINDS = ("flash", "triton", "sdpa")
 # BERTH_PDL=0: kernels launched the classic way (no dependent launches).
 PDL_ENV = "BERTH_PDL"
+# BERTH_PRELOAD=0: few-token forwards keep engine/kernels.SMALL_LINEAR's plan,
+# never timing PRELOAD_LINEAR's against it (``choose_plan``).
+PRELOAD_ENV = "BERTH_PRELOAD"
 # FP8 layers apply FFN-in's activation in cuBLASLt's epilogue (engine/cublaslt.py)
 # instead of a separate pass: 1.06-1.08x the FP8 engine at 128 x 128 on the
 # H200. BERTH_FP8_EPILOGUE=0 keeps the pass. (Session 12 left it opt-in after a
@@ -115,6 +118,7 @@ class FusedForward:
         pdl: bool | None = None,
         fp8_epilogue: bool | None = None,
         fp8_tuned: bool | None = None,
+        preload: bool | None = None,
     ) -> None:
         self.served = served
         self.encoder = served.encoder
@@ -144,7 +148,13 @@ class FusedForward:
         self.chosen: dict[tuple[int, int], str] = {}  # (batch, length) -> kind
         self.full_rows: dict[tuple[int, int], str] = {}  # the same, full rows
         self._starts: dict[tuple[int, int], torch.Tensor] = {}
-        self._plans: dict[int, dict[str, kernels.LinearConfig]] = {}  # by tokens
+        # By (tokens, preloading): the few-token GEMMs' tiles.
+        self._plans: dict[tuple[int, bool], dict[str, kernels.LinearConfig]] = {}
+        if preload is None:
+            preload = os.environ.get(PRELOAD_ENV, "1") not in ("0", "false")
+        self.preload = preload
+        # (batch, length) -> whether its forward runs PRELOAD_LINEAR's plan.
+        self.preloaded: dict[tuple[int, int], bool] = {}
         if fp8_epilogue is None:
             fp8_epilogue = os.environ.get(FP8_EPILOGUE_ENV, "1") not in ("0", "false")
         if fp8_tuned is None:
@@ -322,6 +332,34 @@ class FusedForward:
         self.full_rows[(batch, length)] = best
         return best
 
+    def choose_plan(self, batch: int, length: int) -> bool:
+        """Whether this shape's forward runs engine/kernels.PRELOAD_LINEAR's
+        GEMMs instead of SMALL_LINEAR's plan: the whole forward timed with
+        each in a CUDA graph (random ids, lengths in (L/2, L]), the faster
+        remembered for the shape's graphs. Only shapes whose kernels launch
+        dependent and that the table covers are timed; call it after
+        ``choose_attention``. On the H200 neither plan is faster at every
+        shape (the table's comment)."""
+        key, tokens = (batch, length), batch * length
+        self.preloaded[key] = False
+        if not (self.preload and self._dependent(tokens) and self._plan(tokens, True)):
+            return False
+        weight = self.encoder.embeddings.word.weight
+        ids = torch.randint(0, weight.shape[0], (batch, length), device=weight.device)
+        lengths = torch.randint(
+            length // 2 + 1, length + 1, (batch,), device=weight.device
+        )
+        ms = {}
+        for preload in (False, True):
+            self.preloaded[key] = preload
+            ms[preload] = time_in_graph(lambda: self(ids, lengths))
+        self.preloaded[key] = ms[True] < ms[False]
+        log.debug(
+            "%dx%d forward: %.3f ms with preloading GEMMs, %.3f ms without",
+            batch, length, ms[True], ms[False],
+        )  # fmt: skip
+        return self.preloaded[key]
+
     def _fastest(
         self,
         candidates: dict[str, tuple[str, Any, bool]],
@@ -437,7 +475,7 @@ class FusedForward:
         keys: tuple[str, Any, bool],
     ) -> torch.Tensor:
         attention = layer.attention
-        plan = self._plan(x.shape[0])
+        plan = self._plan(x.shape[0], self.preloaded.get((batch, length), False))
         if not isinstance(attention.qkv, nn.Linear):  # a quantized layer (FP8)
             qkv = attention.qkv(x)
         elif "qkv" in plan:
@@ -454,15 +492,19 @@ class FusedForward:
             inner, layer.ffn_out, x, layer.norm2, plan.get("ffn_out")
         )
 
-    def _plan(self, tokens: int) -> dict[str, kernels.LinearConfig]:
-        """Which projections run berth's few-token GEMM at this many tokens."""
-        if tokens not in self._plans:
+    def _plan(
+        self, tokens: int, preload: bool = False
+    ) -> dict[str, kernels.LinearConfig]:
+        """Which projections run berth's few-token GEMM at this many tokens,
+        with which tiles (``preload``: PRELOAD_LINEAR's, {} where it has none)."""
+        key = (tokens, preload)
+        if key not in self._plans:
             weight = self.encoder.embeddings.word.weight
             config = self.encoder.config
-            self._plans[tokens] = kernels.small_linear_plan(
-                weight, tokens, config.hidden_size, config.intermediate_size
+            self._plans[key] = kernels.small_linear_plan(
+                weight, tokens, config.hidden_size, config.intermediate_size, preload
             )
-        return self._plans[tokens]
+        return self._plans[key]
 
     def _project_norm(
         self,

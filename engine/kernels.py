@@ -292,6 +292,53 @@ if triton is not None:
             tl.store(out_ptr + where, acc.to(out_ptr.dtype.element_ty), mask=keep)
 
     @triton.jit
+    def _linear_preload_kernel(  # type: ignore[no-untyped-def]
+        x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, k_slice,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+        CHUNKS: tl.constexpr, ACT: tl.constexpr, SPLIT: tl.constexpr,
+        GDC: tl.constexpr,
+    ):  # fmt: skip
+        # _linear_kernel's product with the program's whole weight slice
+        # (CHUNKS x CHUNK of K, at most 4) loaded before it waits for the
+        # previous kernel: no kernel writes weights, so they may be read
+        # early, while the predecessor still runs (dependent launch). Only
+        # x, the predecessor's output, is read after the wait.
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_in = cols[None, :] < N
+        first = tl.program_id(2) * k_slice
+        inner = tl.arange(0, CHUNK)
+        w_at = w_ptr + cols[None, :].to(tl.int64) * K + (first + inner)[:, None]
+        w0 = tl.load(w_at, mask=col_in, other=0.0)
+        if CHUNKS > 1:
+            w1 = tl.load(w_at + CHUNK, mask=col_in, other=0.0)
+        if CHUNKS > 2:
+            w2 = tl.load(w_at + 2 * CHUNK, mask=col_in, other=0.0)
+        if CHUNKS > 3:
+            w3 = tl.load(w_at + 3 * CHUNK, mask=col_in, other=0.0)
+        _chain(GDC)
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_in = rows[:, None] < M
+        x_at = x_ptr + rows[:, None].to(tl.int64) * K + (first + inner)[None, :]
+        acc = tl.dot(tl.load(x_at, mask=row_in, other=0.0), w0)
+        if CHUNKS > 1:
+            acc = tl.dot(tl.load(x_at + CHUNK, mask=row_in, other=0.0), w1, acc)
+        if CHUNKS > 2:
+            acc = tl.dot(tl.load(x_at + 2 * CHUNK, mask=row_in, other=0.0), w2, acc)
+        if CHUNKS > 3:
+            acc = tl.dot(tl.load(x_at + 3 * CHUNK, mask=row_in, other=0.0), w3, acc)
+        keep = row_in & col_in
+        where = rows[:, None].to(tl.int64) * N + cols[None, :]
+        if SPLIT > 1:
+            part = out_ptr + tl.program_id(2).to(tl.int64) * M * N
+            tl.store(part + where, acc, mask=keep)
+        else:
+            acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[
+                None, :
+            ]
+            acc = _activate(acc, ACT)
+            tl.store(out_ptr + where, acc.to(out_ptr.dtype.element_ty), mask=keep)
+
+    @triton.jit
     def _partials_layer_norm_kernel(  # type: ignore[no-untyped-def]
         p_ptr, bias_ptr, r_ptr, w_ptr, b_ptr, out_ptr, n_rows, n_cols, eps,
         SPLIT: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr,
@@ -564,6 +611,10 @@ def _attention_reference(
     return out
 
 
+# A preloading ``linear`` program holds at most this many K chunks of weights.
+PRELOAD_CHUNKS = 4
+
+
 class LinearConfig(NamedTuple):
     """Tiles of one ``linear`` launch: BLOCK_M x BLOCK_N outputs per program,
     K in BLOCK_K steps, cut into ``split`` slices (float32 partials)."""
@@ -574,9 +625,14 @@ class LinearConfig(NamedTuple):
     split: int = 1
     warps: int = 4
     stages: int = 3
+    # The program's weight slice loaded whole (in block_k chunks, at most
+    # PRELOAD_CHUNKS) before it waits for the previous kernel.
+    preload: bool = False
 
     def fits(self, k: int) -> bool:
-        return k % (self.split * self.block_k) == 0
+        if k % (self.split * self.block_k):
+            return False
+        return not self.preload or k // self.split // self.block_k <= PRELOAD_CHUNKS
 
 
 def linear(
@@ -609,9 +665,18 @@ def linear(
         triton.cdiv(n, config.block_n),
         config.split,
     )
+    b = weight if bias is None else bias
+    k_slice = k // config.split
+    if config.preload:
+        _linear_preload_kernel[grid](
+            x, weight, b, out, rows, n, k, k_slice,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, CHUNK=config.block_k,
+            CHUNKS=k_slice // config.block_k, ACT=activation, SPLIT=config.split,
+            num_warps=config.warps, num_stages=config.stages, **_launch(pdl),
+        )  # fmt: skip
+        return out
     _linear_kernel[grid](
-        x, weight, weight if bias is None else bias, out, rows, n, k,
-        k // config.split,
+        x, weight, b, out, rows, n, k, k_slice,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         ACT=activation, SPLIT=config.split,
         num_warps=config.warps, num_stages=config.stages, **_launch(pdl),
@@ -689,22 +754,85 @@ SMALL_LINEAR: dict[tuple[str, int], list[tuple[int, LinearConfig]]] = {
 }
 
 
+def _preloaded(
+    rows: list[tuple[int, int, int, int, int]],
+) -> list[tuple[int, LinearConfig]]:
+    """PRELOAD_LINEAR's rows for up to 16, 32, 64 and 128 tokens, from
+    (block_m, block_n, K chunk, split, warps) each."""
+    return [
+        (limit, LinearConfig(bm, bn, chunk, split, warps, preload=True))
+        for limit, (bm, bn, chunk, split, warps) in zip(
+            (16, 32, 64, 128), rows, strict=True
+        )
+    ]
+
+
+# Every projection as a preloading ``linear`` (its weights read before it
+# waits for the previous kernel), so a few-token forward is one unbroken chain
+# of dependent launches in which each GEMM's weights stream in while the
+# kernel before it runs. H200, whole forwards in CUDA graphs against the
+# SMALL_LINEAR plan (probes of session 14, notes/gpu.md): BERT-base 1 x 16
+# 1.23x, 1 x 32 1.28x, 1 x 64 1.03x, 1 x 128 1.06x, but 8 x 16 0.95x; MiniLM
+# 1 x 16 1.12x, 1 x 64 1.06x, 1 x 128 0.99x. Neither plan wins every shape,
+# so the engine times both per shape at capture (FusedForward.choose_plan).
+# A single GEMM of this plan among the other plan's was slower (QKV alone
+# 0.997x, FFN-in alone 0.967x at BERT-base 1 x 128): it pays as a whole.
+PRELOAD_LINEAR: dict[tuple[str, int], list[tuple[int, LinearConfig]]] = {
+    ("qkv", 768): _preloaded(
+        [(16, 32, 256, 1, 8), (32, 32, 256, 1, 4), (64, 32, 256, 1, 4),
+         (128, 32, 256, 1, 8)]
+    ),
+    ("ffn_in", 768): _preloaded(
+        [(16, 32, 256, 1, 8), (32, 32, 256, 1, 4), (64, 32, 256, 1, 4),
+         (128, 32, 256, 1, 8)]
+    ),
+    ("out", 768): _preloaded(
+        [(16, 32, 128, 2, 4), (32, 32, 128, 2, 4), (64, 32, 128, 2, 4),
+         (64, 32, 128, 2, 4)]
+    ),
+    ("ffn_out", 768): _preloaded(
+        [(16, 64, 256, 6, 8), (32, 64, 256, 6, 4), (64, 64, 256, 6, 4),
+         (128, 64, 256, 6, 8)]
+    ),
+    ("qkv", 384): _preloaded(
+        [(16, 32, 128, 1, 4), (32, 32, 128, 1, 4), (64, 32, 128, 1, 4),
+         (64, 32, 128, 1, 4)]
+    ),
+    ("ffn_in", 384): _preloaded(
+        [(16, 32, 128, 1, 4), (32, 32, 128, 1, 4), (64, 32, 128, 1, 4),
+         (64, 32, 128, 1, 4)]
+    ),
+    ("out", 384): _preloaded(
+        [(16, 32, 128, 3, 4), (32, 32, 128, 3, 4), (64, 32, 128, 3, 4),
+         (64, 32, 128, 3, 4)]
+    ),
+    ("ffn_out", 384): _preloaded(
+        [(16, 32, 256, 6, 4), (32, 32, 256, 6, 4), (64, 32, 256, 6, 4),
+         (64, 32, 256, 6, 4)]
+    ),
+}  # fmt: skip
+
+
 def small_linear_plan(
-    weight: torch.Tensor, tokens: int, hidden: int, inner: int
+    weight: torch.Tensor, tokens: int, hidden: int, inner: int, preload: bool = False
 ) -> dict[str, LinearConfig]:
     """projection -> tiles, for the projections ``linear`` runs faster than
     cuBLAS at this many tokens (empty off Hopper, without Triton, or for
-    sizes never measured)."""
+    sizes never measured); with ``preload``, PRELOAD_LINEAR's tiles, or {}
+    past that table or where one of its projections does not fit."""
     if not (use_triton(weight) and weight.is_cuda):
         return {}
     if torch.cuda.get_device_capability(weight.device) != (9, 0):
         return {}
+    table = PRELOAD_LINEAR if preload else SMALL_LINEAR
     plan = {}
     for name in ("qkv", "out", "ffn_in", "ffn_out"):
         k = inner if name == "ffn_out" else hidden
-        for limit, config in SMALL_LINEAR.get((name, hidden), []):
+        for limit, config in table.get((name, hidden), []):
             if tokens <= limit:
                 if config.fits(k):
                     plan[name] = config
                 break
+    if preload and len(plan) < 4:  # it pays as a whole chain or not at all
+        return {}
     return plan

@@ -21,8 +21,15 @@ import torch
 
 from engine.cuda_graphs import PACK_MIN_TOKENS, packed_tokens, token_ladder
 from engine.fused import FusedForward
-from engine.kernels import LinearConfig, attention, small_linear_plan
+from engine.kernels import (
+    PRELOAD_LINEAR,
+    LinearConfig,
+    attention,
+    small_linear_plan,
+)
 from engine.torch_backend import TorchBackend
+
+PROJECTIONS = ("qkv", "out", "ffn_in", "ffn_out")
 
 LENGTHS = [9, 1, 0, 16, 5, 0, 12]
 
@@ -112,9 +119,22 @@ def test_packed_tokens_count_every_row() -> None:
     assert packed_tokens([5, 0, 3], 8) == 14  # 5 padding rows, 1 token each
 
 
+# Preloading tiles that fit MiniLM (K = 384 and 1536) in at most 4 chunks.
+PRELOADED = {
+    "qkv": LinearConfig(16, 32, 128, 1, preload=True),
+    "ffn_in": LinearConfig(32, 64, 128, 1, preload=True),
+}
+# split -> (out's tiles, FFN-out's tiles): (block_m, block_n, K chunk).
+PRELOADED_SPLIT = {
+    split: tuple(LinearConfig(16, 32, chunk, split, preload=True) for chunk in chunks)
+    for split, chunks in {1: (128, 512), 2: (64, 256), 3: (128, 128)}.items()
+}
+
+
+@pytest.mark.parametrize("preload", [False, True])
 @pytest.mark.parametrize("split", [1, 2, 3])
 def test_few_token_gemm_plan_equals_cublas_path(
-    backend: TorchBackend, split: int
+    backend: TorchBackend, split: int, preload: bool
 ) -> None:
     served = backend.model("minilm")  # hidden 384, inner 1536
     forward = FusedForward(served)
@@ -123,14 +143,47 @@ def test_few_token_gemm_plan_equals_cublas_path(
     with torch.inference_mode():
         plain = forward(ids, lengths)
         tiles = LinearConfig(16, 32, 64, split)
-        forward._plans[tokens] = {
+        plan = {
             "qkv": LinearConfig(16, 32, 64, 1),
             "out": tiles,
             "ffn_in": LinearConfig(32, 64, 64, 1),
             "ffn_out": tiles,
         }
+        if preload:
+            out, ffn_out = PRELOADED_SPLIT[split]
+            plan = {**PRELOADED, "out": out, "ffn_out": ffn_out}
+            assert out.fits(384) and ffn_out.fits(1536)
+            forward.preloaded[tuple(ids.shape)] = True
+        forward._plans[(tokens, preload)] = plan
         planned = forward(ids, lengths)
     torch.testing.assert_close(planned, plain, rtol=1e-4, atol=1e-5)
+
+
+def test_preloading_tiles_fit_their_models() -> None:
+    """Every PRELOAD_LINEAR row fits its projection's K in at most
+    PRELOAD_CHUNKS chunks, and each table covers all four projections at
+    every token count (a plan missing one is no plan: small_linear_plan)."""
+    dims = {768: 3072, 384: 1536}
+    limits = {}
+    for (name, hidden), rows in PRELOAD_LINEAR.items():
+        k = dims[hidden] if name == "ffn_out" else hidden
+        for limit, config in rows:
+            assert config.preload and config.fits(k), (name, hidden, limit)
+        limits[(name, hidden)] = [limit for limit, _ in rows]
+    for hidden in dims:
+        assert len({tuple(limits[(n, hidden)]) for n in PROJECTIONS}) == 1
+    assert not LinearConfig(16, 32, 64, 1, preload=True).fits(384)  # 6 chunks
+    assert LinearConfig(16, 32, 64, 1).fits(384)
+
+
+def test_choose_plan_keeps_the_measured_plan_off_the_gpu(
+    backend: TorchBackend,
+) -> None:
+    forward = FusedForward(backend.model("minilm"))
+    assert forward.choose_plan(1, 16) is False
+    assert forward.preloaded[(1, 16)] is False
+    weight = forward.encoder.embeddings.word.weight
+    assert small_linear_plan(weight, 16, 384, 1536, preload=True) == {}
 
 
 def test_few_token_plan_is_empty_off_the_gpu(backend: TorchBackend) -> None:

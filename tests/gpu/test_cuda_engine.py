@@ -323,6 +323,45 @@ def test_options_match_fp32_reference(
     assert cos.min() >= floor
 
 
+def test_preloading_linear_matches_torch() -> None:
+    """Every PRELOAD_LINEAR tile on its projection's shape, at its token
+    limit and 3 tokens short of it, equals torch's product (partials summed;
+    bias and GELU where the projection has them), launched classic or
+    dependent."""
+    import torch.nn.functional as F
+
+    from engine.kernels import (
+        ACT_GELU_TANH,
+        ACT_NONE,
+        PRELOAD_LINEAR,
+        linear,
+        pdl_available,
+    )
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    inner = {768: 3072, 384: 1536}
+    for (name, hidden), rows in PRELOAD_LINEAR.items():
+        n = {"qkv": 3 * hidden, "ffn_in": inner[hidden]}.get(name, hidden)
+        k = inner[hidden] if name == "ffn_out" else hidden
+        w = (torch.randn(n, k, device="cuda", generator=g) * 0.05).half()
+        b = torch.randn(n, device="cuda", generator=g).half()
+        act = ACT_GELU_TANH if name == "ffn_in" else ACT_NONE
+        for limit, config in rows:
+            for m in (limit, limit - 3):
+                x = torch.randn(m, k, device="cuda", generator=g).half()
+                want = F.linear(x.float(), w.float(), b.float())
+                if act == ACT_GELU_TANH:
+                    want = F.gelu(want, approximate="tanh")
+                for pdl in (False, True) if pdl_available(x) else (False,):
+                    if config.split > 1:
+                        got = linear(x, w, None, act, config, pdl).sum(0) + b.float()
+                    else:
+                        got = linear(x, w, b, act, config, pdl).float()
+                    torch.testing.assert_close(
+                        got, want, rtol=2e-2, atol=2e-2, msg=f"{name} {hidden} {m}"
+                    )
+
+
 def test_fused_kernels_match_torch() -> None:
     import torch.nn.functional as F
 
@@ -470,7 +509,7 @@ def test_few_token_gemms_match_cublas(backend: CudaBackend) -> None:
     with torch.inference_mode(), torch.cuda.stream(runner.stream):
         ids_d, lengths_d = torch.from_numpy(ids).cuda(), torch.from_numpy(lengths)
         planned = forward(ids_d, lengths_d.cuda()).cpu().numpy()
-        saved, forward._plans = forward._plans, {128: {}}
+        saved, forward._plans = forward._plans, {(128, False): {}, (128, True): {}}
         try:
             cublas = forward(ids_d, lengths_d.cuda()).cpu().numpy()
         finally:
@@ -509,6 +548,49 @@ def test_dependent_launches_replay_alike(backend: CudaBackend) -> None:
         np.testing.assert_array_equal(first[~live], reference[~live])
         worst = cosine(first[live], reference[live]).min()
         print(f"{rows}x{length}: dependent vs classic launches, min cosine {worst:.7f}")
+        assert worst > 0.99999
+
+
+def test_preloading_gemms_replay_alike_and_match_the_other_plan(
+    refs: Fixtures,
+) -> None:
+    """PRELOAD_LINEAR's GEMMs read their weights before waiting for the
+    previous kernel (engine/kernels.py). Forced on every shape that has the
+    plan: replays equal each other bit for bit (a race would not) and equal
+    the SMALL_LINEAR plan's forward to fp16 rounding; 64 x 128 is past the
+    table (a control)."""
+    cuda = CudaBackend("cuda:0")
+    cuda.load(refs.entries["minilm"])
+    runner = cuda.runner("minilm")
+    forward = runner.forward
+    if not forward.pdl:
+        pytest.skip("dependent launches need Hopper or later")
+
+    def always(batch: int, length: int) -> bool:
+        eligible = forward._dependent(batch * length) and forward._plan(
+            batch * length, True
+        )
+        forward.preloaded[(batch, length)] = bool(eligible)
+        return bool(eligible)
+
+    forward.choose_plan = always  # type: ignore[method-assign]
+    shapes = [(1, 16), (1, 64), (2, 64), (1, 128), (8, 16), (64, 128)]
+    cuda.warmup("minilm", shapes)
+    assert [forward.preloaded[s] for s in shapes] == [True] * 5 + [False]
+    assert all(c.preload for c in forward._plan(128, True).values())
+    for rows, length in shapes:
+        ids, lengths = random_batch(rows, length, runner.vocab, seed=rows + length)
+        args = ("minilm", ids.tobytes(), lengths.tobytes(), rows, length)
+        first = cuda.run_bytes(*args)[0].copy()
+        for _ in range(100):
+            np.testing.assert_array_equal(cuda.run_bytes(*args)[0], first)
+        forward.preloaded[(rows, length)] = False
+        with torch.inference_mode(), torch.cuda.stream(runner.stream):
+            ids_d, lengths_d = torch.from_numpy(ids).cuda(), torch.from_numpy(lengths)
+            other = forward(ids_d, lengths_d.cuda()).cpu().numpy()
+        live = lengths > 0
+        worst = cosine(first[live], other[live]).min()
+        print(f"{rows}x{length}: preloading vs the other plan, min cosine {worst:.7f}")
         assert worst > 0.99999
 
 
