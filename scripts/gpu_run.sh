@@ -62,7 +62,7 @@ tail -n 3 "$OUT/setup.log"
 
 if [[ " $STAGES " == *" tests "* ]]; then
   files=$(grep -rl "pytest.mark.gpu" tests --include='*.py' | sort)
-  timeout 200 $PY -m pytest -m gpu -p no:cacheprovider -q -rA $files \
+  timeout 300 $PY -m pytest -m gpu -p no:cacheprovider -q -rA $files \
     > "$OUT/gpu_tests.log" 2>&1
   echo "gpu tests: exit $?"
   grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|cosine|top-1|utilization" \
