@@ -162,10 +162,12 @@ class ModelRunner:
         if self.zero_copy:
             io = io.to(torch.int64)  # one coalesced read of the mapped host buffer
         ids, lengths = io_views(io, batch, length)
-        result = self.forward(ids, lengths, tokens)
         if out is None:
-            return result
+            return self.forward(ids, lengths, tokens)
         target = out[: batch * self.width].view(batch, self.width)
+        result = self.forward(ids, lengths, tokens, out=target)
+        if result is target:  # the pooling kernel wrote it, over PCIe
+            return target
         return torch.mul(result, 1.0, out=target)  # a kernel's writes, over PCIe
 
     def capture(self, shapes: list[tuple[int, int]]) -> None:
@@ -225,14 +227,16 @@ class ModelRunner:
         # 3. The wire bytes into pinned memory: ids, then lengths (0 for padding).
         batch = padded or rows
         packed = None
-        if padded is not None:  # the graph with the fewest tokens that holds these
+        if padded is not None and self.graphs.packs(padded, length):
+            # the graph with the fewest tokens that holds these
             needed = packed_tokens(lengths, padded)
             packed = self.graphs.tokens_for(padded, length, needed)
         tokens = batch * length
         slot.io[: rows * length] = ids
-        slot.io[rows * length : tokens] = 0
         slot.io[tokens : tokens + rows] = lengths
-        slot.io[tokens + rows : tokens + batch] = 0
+        if rows < batch:  # padding rows: no ids, length 0
+            slot.io[rows * length : tokens] = 0
+            slot.io[tokens + rows : tokens + batch] = 0
         # 4. Copy in, compute, copy out: queued on the engine's stream.
         copy_in, compute, computed, copied = slot.events
         slot.staged = not self.zero_copy
@@ -419,7 +423,9 @@ class CudaBackend(TorchBackend):
                 f"batch {batch}x{length} needs {batch * length} ids and {batch} "
                 f"lengths, got {ids.size} and {lens.size}"
             )
-        return self.runner(model).submit(ids, lens, batch, length)
+        # An unknown name goes to runner(), whose error names the loaded models.
+        runner = self._runners.get(model) or self.runner(model)
+        return runner.submit(ids, lens, batch, length)
 
     def collect(self, ticket: Ticket) -> tuple[np.ndarray, Times]:
         """Wait for a submitted batch: its output (a view of its pinned slot,

@@ -197,6 +197,10 @@ class GraphCache:
         at = bisect.bisect_left(sizes, batch)
         return sizes[at] if at < len(sizes) else None
 
+    def packs(self, batch: int, length: int) -> bool:
+        """Whether a captured shape runs packed (a ladder of token counts)."""
+        return bool(self._tokens.get((batch, length)))
+
     def tokens_for(self, batch: int, length: int, needed: int) -> int | None:
         """The smallest packed graph of a captured shape that holds ``needed``
         tokens; None where the shape runs padded."""

@@ -212,9 +212,19 @@ class FusedForward:
         return [forced] if forced in kinds else kinds[:-1] or kinds
 
     def __call__(
-        self, ids: torch.Tensor, lengths: torch.Tensor, tokens: int | None = None
+        self,
+        ids: torch.Tensor,
+        lengths: torch.Tensor,
+        tokens: int | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """ids [B, L], lengths [B] (any int dtype, on the device) -> [B, width].
+
+        ``out`` (float32 [B, width]): where the pooling kernel may write the
+        result itself, when the pooled rows are the output (mean pooling, no
+        head) and the rows are not packed; the result is ``out`` then, else
+        a new tensor the caller copies (a graph's zero-copy output: one
+        kernel fewer at batch 1).
 
         With ``tokens``, the rows are packed first: row b's max(lengths[b], 1)
         tokens follow row b - 1's, and every matmul, LayerNorm and attention
@@ -245,6 +255,8 @@ class FusedForward:
         hidden = x.view(batch, length, -1)
         if self.mean and kernels.use_triton(x):  # rows start at b * L
             starts = self._row_starts(batch, length, x.device)
+            if out is not None and isinstance(self.served.post, nn.Identity):
+                return mean_pool(x, lengths, starts, pdl, out=out)
             pooled = mean_pool(x, lengths, starts, pdl)
         elif self.mean:
             pooled = mean_pool(hidden, lengths)

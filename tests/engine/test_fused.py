@@ -25,6 +25,7 @@ from engine.kernels import (
     PRELOAD_LINEAR,
     LinearConfig,
     attention,
+    mean_pool,
     small_linear_plan,
 )
 from engine.torch_backend import TorchBackend
@@ -200,3 +201,14 @@ def test_attention_reads_an_empty_row_as_one_token() -> None:
     one = attention(qkv, torch.tensor([8, 1, 5], dtype=torch.int32), 3, 8, 2)
     assert torch.isfinite(empty).all()
     torch.testing.assert_close(empty, one)
+
+
+def test_mean_pool_writes_into_the_buffer_it_is_given() -> None:
+    """The zero-copy graphs hand the pooling their pinned output buffer."""
+    generator = torch.Generator().manual_seed(5)
+    hidden = torch.randn(3, 8, 16, generator=generator)
+    lengths = torch.tensor([8, 0, 3])
+    out = torch.full((3, 16), float("nan"))
+    assert mean_pool(hidden, lengths, out=out) is out
+    torch.testing.assert_close(out, mean_pool(hidden, lengths))
+    assert torch.equal(out[1], torch.zeros(16))

@@ -408,12 +408,20 @@ def test_triton_attention_matches_sdpa(
     assert (got - want).abs().mean() < 2e-3
 
 
-def test_each_shape_has_a_chosen_attention(backend: CudaBackend) -> None:
+def test_each_shape_has_a_chosen_attention_and_plan(
+    backend: CudaBackend, refs: Fixtures
+) -> None:
+    """Every captured shape has its attention kernel and its GEMM plan
+    chosen at capture; on Hopper, shapes past PRELOAD_LINEAR's table keep
+    SMALL_LINEAR's."""
     forward = backend.runner("minilm").forward
     chosen = forward.chosen
     print({kind: list(chosen.values()).count(kind) for kind in set(chosen.values())})
+    print(f"preloading GEMMs on {sum(forward.preloaded.values())} shapes")
+    shapes = bucket_shapes(refs.entries["minilm"].buckets, MAX_BATCH, TOKEN_BUDGET)
     assert set(chosen.values()) <= set(forward.kinds)
-    assert len(chosen) == len(bucket_shapes([32, 64, 128, 256, 512], 256, 16384))
+    assert set(chosen) == set(shapes) == set(forward.preloaded)
+    assert not any(forward.preloaded[(b, n)] for b, n in shapes if b * n > 128)
 
 
 def test_service_reports_gpu_stats(backend: CudaBackend, refs: Fixtures) -> None:
