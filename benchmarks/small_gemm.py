@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -85,31 +85,20 @@ def graph_us(fn: Callable[[], object]) -> float:
     return statistics.median(times)
 
 
-class Grid(NamedTuple):
-    """The tiles, K splits, K steps and pipeline depths ``configs`` crosses."""
-
-    block_ms: tuple[int, ...] = (16, 32, 64, 128)
-    block_ns: tuple[int, ...] = (32, 64, 128)
-    splits: tuple[int, ...] = (1, 2, 3, 4, 6)
-    block_ks: tuple[int, ...] = (64,)
-    stages: tuple[int, ...] = (3,)
-
-
-def configs(m: int, split_ok: bool, grid: Grid) -> list[LinearConfig]:
+def configs(m: int, split_ok: bool, block_ks: tuple[int, ...]) -> list[LinearConfig]:
     out = []
-    for bm, bn, split, bk, stages in itertools.product(
-        grid.block_ms,
-        grid.block_ns,
-        grid.splits if split_ok else (1,),
-        grid.block_ks,
-        grid.stages,
+    for bm, bn, split, bk in itertools.product(
+        (16, 32, 64, 128),
+        (32, 64, 128),
+        (1, 2, 3, 4, 6) if split_ok else (1,),
+        block_ks,
     ):
         if bm > max(16, 2 * m) or (bm == 128 and bn == 128):
             continue
-        if stages * (bm + bn) * bk * 2 > 200_000:  # shared memory: both tiles
+        if 3 * (bm + bn) * bk * 2 > 200_000:  # shared memory: 3 stages, both tiles
             continue
         warps = 8 if bm * bn >= 128 * 64 else 4
-        out.append(LinearConfig(bm, bn, bk, split, warps, stages))
+        out.append(LinearConfig(bm, bn, bk, split, warps, 3))
     return out
 
 
@@ -211,14 +200,6 @@ def main() -> None:
     parser.add_argument("--models", default="bert-base,minilm")
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--block-k", default="64", help="K steps to try, e.g. 64,128")
-    parser.add_argument("--block-m", default="16,32,64,128", help="row tiles to try")
-    parser.add_argument("--block-n", default="32,64,128", help="column tiles to try")
-    parser.add_argument("--splits", default="1,2,3,4,6", help="K splits to try")
-    parser.add_argument("--stages", default="3", help="pipeline depths to try")
-    parser.add_argument(
-        "--projections", default="", help="only these, e.g. qkv,ffn_out+ln"
-    )
-    parser.add_argument("--no-attention", action="store_true")
     parser.add_argument(
         "--cold", action="store_true", help="weights streamed from memory each call"
     )
@@ -229,9 +210,7 @@ def main() -> None:
         "torch": torch.__version__,
         "rows": [],
     }
-    lists = (args.block_m, args.block_n, args.splits, args.block_k, args.stages)
-    grid = Grid(*(tuple(map(int, value.split(","))) for value in lists))
-    wanted = set(filter(None, args.projections.split(",")))
+    block_ks = tuple(map(int, args.block_k.split(",")))
     result["cold"] = args.cold
     began = time.perf_counter()
     print(
@@ -244,11 +223,9 @@ def main() -> None:
             for name, (base, ours, split_ok) in projections(
                 h, inner, m, args.cold
             ).items():
-                if wanted and name not in wanted:
-                    continue
                 cublas = graph_us(base)
                 timed = {}
-                for c in configs(m, split_ok, grid):
+                for c in configs(m, split_ok, block_ks):
                     if c.fits(inner if name == "ffn_out+ln" else h):
                         timed[c] = graph_us(partial(ours, c))
                 best = min(timed, key=lambda c: timed[c])
@@ -267,8 +244,7 @@ def main() -> None:
                     flush=True,
                 )
             args.out.write_text(json.dumps(result, indent=1) + "\n")
-    if not args.no_attention:
-        result["attention"] = attention_rows()
+    result["attention"] = attention_rows()
     result["seconds"] = round(time.perf_counter() - began, 1)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"done in {result['seconds']} s")
