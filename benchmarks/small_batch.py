@@ -15,7 +15,8 @@ CudaBackends on the same random-weight models and inputs:
   timed at capture with PRELOAD_LINEAR's GEMMs too (every GEMM berth's,
   its weights read before it waits: one unbroken chain), the faster kept
   (``preloaded`` in the JSON says which);
-- pdl-all: dependent launches at every token count (what set that limit).
+- pdl-all: the default (preload) with dependent launches at every token
+  count (what set that limit; before session 14 it had no preloading).
 
 Attention is berth's Triton kernel in every variant (BERTH_ATTENTION=triton;
 the per-shape choice by timing at capture can differ between backends and

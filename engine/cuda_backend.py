@@ -16,7 +16,9 @@ torch on any device. Settings from the environment:
 - ``BERTH_CUDA_PACK=0``: large shapes stay padded (by default they run
   packed: no padding token computed, engine/cuda_graphs.py);
 - ``BERTH_PDL=0``: no programmatic dependent launches (on by default on
-  Hopper and later, engine/fused.py).
+  Hopper and later, engine/fused.py);
+- ``BERTH_PRELOAD=0``: few-token shapes keep kernels.SMALL_LINEAR's GEMMs,
+  never timing PRELOAD_LINEAR's against them (engine/fused.py).
 
 One batch: validate and write the wire bytes into a pinned slot, pad to the
 next captured batch size, enqueue (copy in, replay, copy out) on the

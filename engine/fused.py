@@ -17,7 +17,11 @@ modules and weights, in fewer passes over device memory (engine/kernels.py):
   summed by the LayerNorm kernel;
 - on Hopper, at up to PDL_MAX_TOKENS tokens, every Triton kernel launched
   dependent on its predecessor (``pdl``, engine/kernels.py: its launch
-  overlaps the previous kernel's tail); ``BERTH_PDL=0`` turns that off.
+  overlaps the previous kernel's tail); ``BERTH_PDL=0`` turns that off;
+- shapes of up to 128 tokens timed at capture with every GEMM a Triton
+  kernel that reads its weights before it waits (kernels.PRELOAD_LINEAR:
+  one unbroken chain), the faster plan kept (``choose_plan``);
+  ``BERTH_PRELOAD=0`` keeps SMALL_LINEAR's.
 
 Tokens are kept flat ([batch * length, hidden]) so every matmul is one 2-D
 GEMM with its bias in the epilogue. Packed (``tokens`` given): the rows'
@@ -348,13 +352,13 @@ class FusedForward:
         """Whether this shape's forward runs engine/kernels.PRELOAD_LINEAR's
         GEMMs instead of SMALL_LINEAR's plan: the whole forward timed with
         each in a CUDA graph (random ids, lengths in (L/2, L]), the faster
-        remembered for the shape's graphs. Only shapes whose kernels launch
-        dependent and that the table covers are timed; call it after
-        ``choose_attention``. On the H200 neither plan is faster at every
-        shape (the table's comment)."""
-        key, tokens = (batch, length), batch * length
+        remembered for the shape's graphs. Only shapes ``preload_eligible``
+        are timed; call it after ``choose_attention``. On the H200 neither
+        plan is faster at every shape (the table's comment). A preloading
+        forward that fails to run is logged and the shape keeps the other."""
+        key = (batch, length)
         self.preloaded[key] = False
-        if not (self.preload and self._dependent(tokens) and self._plan(tokens, True)):
+        if not self.preload_eligible(batch * length):
             return False
         weight = self.encoder.embeddings.word.weight
         ids = torch.randint(0, weight.shape[0], (batch, length), device=weight.device)
@@ -364,13 +368,34 @@ class FusedForward:
         ms = {}
         for preload in (False, True):
             self.preloaded[key] = preload
-            ms[preload] = time_in_graph(lambda: self(ids, lengths))
+            try:
+                ms[preload] = time_in_graph(lambda: self(ids, lengths))
+            except Exception as exc:  # Triton's errors are not RuntimeErrors
+                self.preloaded[key] = False
+                if not preload:
+                    raise
+                log.warning(
+                    "%dx%d: the preloading GEMMs failed (%s); the shape keeps "
+                    "SMALL_LINEAR's plan", batch, length, exc,
+                )  # fmt: skip
+                return False
         self.preloaded[key] = ms[True] < ms[False]
         log.debug(
             "%dx%d forward: %.3f ms with preloading GEMMs, %.3f ms without",
             batch, length, ms[True], ms[False],
         )  # fmt: skip
         return self.preloaded[key]
+
+    def preload_eligible(self, tokens: int) -> bool:
+        """Whether a forward of this many tokens may take PRELOAD_LINEAR's
+        plan: preloading on, kernels launched dependent, a plan in the table,
+        and some layer not FP8 (FP8 layers take their own products)."""
+        return (
+            self.preload
+            and self._dependent(tokens)
+            and any(plan is None for plan in self.fp8)
+            and bool(self._plan(tokens, True))
+        )
 
     def _fastest(
         self,

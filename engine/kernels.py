@@ -21,9 +21,11 @@ waiting for the predecessor's writes (``gdc_wait``) before it reads
 anything, then letting its own successor launch (``gdc_launch_dependents``).
 A chain of such kernels overlaps each launch with the previous kernel's
 tail, what a few-token forward of ~90 short kernels spends much of its time
-in (notes/gpu.md). Every program of every such kernel waits first, so the
-ordering stays transitive: a kernel reading what two kernels back wrote is
-safe.
+in (notes/gpu.md). Every program of every such kernel waits before it
+reads anything a kernel writes, so the ordering stays transitive: a kernel
+reading what two kernels back wrote is safe. One kernel reads earlier:
+``linear`` with ``LinearConfig.preload`` reads its weights before it waits
+(no kernel writes weights), so they stream in while its predecessor runs.
 
 Without Triton (the CPU build of torch) or off the GPU each falls back to
 torch ops, so the module imports and computes everywhere; with
@@ -89,8 +91,10 @@ if triton is not None:
 
     @triton.jit
     def _chain(GDC: tl.constexpr):  # type: ignore[no-untyped-def]
-        # First thing in every kernel: wait for the previous kernel's writes,
-        # then let the next kernel launch (no-ops without dependent launch).
+        # Before a kernel reads what any kernel writes: wait for the previous
+        # kernel's writes, then let the next kernel launch (no-ops without
+        # dependent launch). Only the preloading linear reads (its weights)
+        # before it.
         if GDC:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -301,8 +305,8 @@ if triton is not None:
         # _linear_kernel's product with the program's whole weight slice
         # (CHUNKS x CHUNK of K, at most 4) loaded before it waits for the
         # previous kernel: no kernel writes weights, so they may be read
-        # early, while the predecessor still runs (dependent launch). Only
-        # x, the predecessor's output, is read after the wait.
+        # early, while the predecessor still runs (dependent launch). x and
+        # the bias are read after the wait.
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_in = cols[None, :] < N
         first = tl.program_id(2) * k_slice
@@ -526,8 +530,17 @@ def mean_pool(
 
     hidden is [B, L, H], or packed [tokens, H] with row b from ``starts[b]``;
     written into ``out`` (contiguous float32 [B, H]) when given."""
-    if out is not None and not use_triton(hidden):
-        return out.copy_(mean_pool(hidden, lengths, starts))
+    if out is not None:
+        want = (lengths.shape[0], hidden.shape[-1])
+        if out.shape != want or out.dtype != torch.float32:
+            raise ValueError(
+                f"out must be float32 [{want[0]}, {want[1]}], got {out.dtype} "
+                f"{tuple(out.shape)}"
+            )
+        if not out.is_contiguous():
+            raise ValueError("out must be contiguous")
+        if not use_triton(hidden):
+            return out.copy_(mean_pool(hidden, lengths, starts))
     if starts is None:
         batch, length, cols = hidden.shape
         if not use_triton(hidden):
@@ -649,6 +662,10 @@ def linear(
     pdl: bool = False,
 ) -> torch.Tensor:
     """act(x W^T + b) for x [M, K], weight [N, K] (nn.Linear's layout).
+
+    With ``config.preload`` the kernel reads ``weight`` before it waits for
+    the previous kernel (``pdl``): no work still queued may write it (model
+    weights, written at load).
 
     With ``config.split`` > 1: float32 partial products [split, M, N], no bias,
     no activation, for :func:`add_layer_norm_partials` to finish."""
@@ -780,8 +797,10 @@ def _preloaded(
 # 1.23x, 1 x 32 1.28x, 1 x 64 1.03x, 1 x 128 1.06x, but 8 x 16 0.95x; MiniLM
 # 1 x 16 1.12x, 1 x 64 1.06x, 1 x 128 0.99x. Neither plan wins every shape,
 # so the engine times both per shape at capture (FusedForward.choose_plan).
-# A single GEMM of this plan among the other plan's was slower (QKV alone
-# 0.997x, FFN-in alone 0.967x at BERT-base 1 x 128): it pays as a whole.
+# At BERT-base 1 x 128 all four preloading measured best (1.055x); QKV or
+# FFN-in alone among the other plan's GEMMs was slower (0.997x, 0.967x), and
+# one loop kernel among the preloading ones cost more than the plan saves
+# (0.88x): the plan is taken whole.
 PRELOAD_LINEAR: dict[tuple[str, int], list[tuple[int, LinearConfig]]] = {
     ("qkv", 768): _preloaded(
         [(16, 32, 256, 1, 8), (32, 32, 256, 1, 4), (64, 32, 256, 1, 4),
@@ -838,6 +857,6 @@ def small_linear_plan(
                 if config.fits(k):
                     plan[name] = config
                 break
-    if preload and len(plan) < 4:  # it pays as a whole chain or not at all
+    if preload and len(plan) < 4:  # taken whole (PRELOAD_LINEAR's comment)
         return {}
     return plan

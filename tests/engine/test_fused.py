@@ -177,10 +177,11 @@ def test_preloading_tiles_fit_their_models() -> None:
     assert LinearConfig(16, 32, 64, 1).fits(384)
 
 
-def test_choose_plan_keeps_the_measured_plan_off_the_gpu(
+def test_choose_plan_times_nothing_off_the_gpu(
     backend: TorchBackend,
 ) -> None:
     forward = FusedForward(backend.model("minilm"))
+    assert not forward.preload_eligible(16)
     assert forward.choose_plan(1, 16) is False
     assert forward.preloaded[(1, 16)] is False
     weight = forward.encoder.embeddings.word.weight
@@ -212,3 +213,5 @@ def test_mean_pool_writes_into_the_buffer_it_is_given() -> None:
     assert mean_pool(hidden, lengths, out=out) is out
     torch.testing.assert_close(out, mean_pool(hidden, lengths))
     assert torch.equal(out[1], torch.zeros(16))
+    with pytest.raises(ValueError, match=r"float32 \[3, 16\]"):
+        mean_pool(hidden, lengths, out=torch.empty(3, 8))

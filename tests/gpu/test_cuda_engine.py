@@ -575,11 +575,9 @@ def test_preloading_gemms_replay_alike_and_match_the_other_plan(
         pytest.skip("dependent launches need Hopper or later")
 
     def always(batch: int, length: int) -> bool:
-        eligible = forward._dependent(batch * length) and forward._plan(
-            batch * length, True
-        )
-        forward.preloaded[(batch, length)] = bool(eligible)
-        return bool(eligible)
+        eligible = forward.preload_eligible(batch * length)
+        forward.preloaded[(batch, length)] = eligible
+        return eligible
 
     forward.choose_plan = always  # type: ignore[method-assign]
     shapes = [(1, 16), (1, 64), (2, 64), (1, 128), (8, 16), (64, 128)]
