@@ -261,6 +261,25 @@ if triton is not None:
         tl.store(where_out, result, mask=queries[:, None] < rows_queries)
 
     @triton.jit
+    def _linear_store(  # type: ignore[no-untyped-def]
+        acc, rows, cols, b_ptr, out_ptr, M, N,
+        ACT: tl.constexpr, SPLIT: tl.constexpr,
+    ):  # fmt: skip
+        # A linear program's end: float32 partial of K slice program_id(2) to
+        # out [s, M, N] (SPLIT > 1), or act(acc + bias) to out [M, N].
+        keep = (rows[:, None] < M) & (cols[None, :] < N)
+        where = rows[:, None].to(tl.int64) * N + cols[None, :]
+        if SPLIT > 1:
+            part = out_ptr + tl.program_id(2).to(tl.int64) * M * N
+            tl.store(part + where, acc, mask=keep)
+        else:
+            acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[
+                None, :
+            ]
+            acc = _activate(acc, ACT)
+            tl.store(out_ptr + where, acc.to(out_ptr.dtype.element_ty), mask=keep)
+
+    @triton.jit
     def _linear_kernel(  # type: ignore[no-untyped-def]
         x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, k_slice,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -283,17 +302,7 @@ if triton is not None:
             acc = tl.dot(a, b, acc)
             x_at += BLOCK_K
             w_at += BLOCK_K
-        keep = row_in & col_in
-        where = rows[:, None].to(tl.int64) * N + cols[None, :]
-        if SPLIT > 1:
-            part = out_ptr + tl.program_id(2).to(tl.int64) * M * N
-            tl.store(part + where, acc, mask=keep)
-        else:
-            acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[
-                None, :
-            ]
-            acc = _activate(acc, ACT)
-            tl.store(out_ptr + where, acc.to(out_ptr.dtype.element_ty), mask=keep)
+        _linear_store(acc, rows, cols, b_ptr, out_ptr, M, N, ACT, SPLIT)
 
     @triton.jit
     def _linear_preload_kernel(  # type: ignore[no-untyped-def]
@@ -330,17 +339,7 @@ if triton is not None:
             acc = tl.dot(tl.load(x_at + 2 * CHUNK, mask=row_in, other=0.0), w2, acc)
         if CHUNKS > 3:
             acc = tl.dot(tl.load(x_at + 3 * CHUNK, mask=row_in, other=0.0), w3, acc)
-        keep = row_in & col_in
-        where = rows[:, None].to(tl.int64) * N + cols[None, :]
-        if SPLIT > 1:
-            part = out_ptr + tl.program_id(2).to(tl.int64) * M * N
-            tl.store(part + where, acc, mask=keep)
-        else:
-            acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[
-                None, :
-            ]
-            acc = _activate(acc, ACT)
-            tl.store(out_ptr + where, acc.to(out_ptr.dtype.element_ty), mask=keep)
+        _linear_store(acc, rows, cols, b_ptr, out_ptr, M, N, ACT, SPLIT)
 
     @triton.jit
     def _partials_layer_norm_kernel(  # type: ignore[no-untyped-def]
@@ -801,40 +800,27 @@ def _preloaded(
 # FFN-in alone among the other plan's GEMMs was slower (0.997x, 0.967x), and
 # one loop kernel among the preloading ones cost more than the plan saves
 # (0.88x): the plan is taken whole.
+# (block_m, block_n, K chunk, split, warps) at up to 16, 32, 64, 128 tokens.
+_BERT_BASE_IN = [(16, 32, 256, 1, 8), (32, 32, 256, 1, 4), (64, 32, 256, 1, 4),
+                 (128, 32, 256, 1, 8)]  # QKV and FFN-in  # fmt: skip
+_MINILM_ROWS = (16, 32, 64, 64)  # block_m
 PRELOAD_LINEAR: dict[tuple[str, int], list[tuple[int, LinearConfig]]] = {
-    ("qkv", 768): _preloaded(
-        [(16, 32, 256, 1, 8), (32, 32, 256, 1, 4), (64, 32, 256, 1, 4),
-         (128, 32, 256, 1, 8)]
-    ),
-    ("ffn_in", 768): _preloaded(
-        [(16, 32, 256, 1, 8), (32, 32, 256, 1, 4), (64, 32, 256, 1, 4),
-         (128, 32, 256, 1, 8)]
-    ),
-    ("out", 768): _preloaded(
-        [(16, 32, 128, 2, 4), (32, 32, 128, 2, 4), (64, 32, 128, 2, 4),
-         (64, 32, 128, 2, 4)]
-    ),
+    ("qkv", 768): _preloaded(_BERT_BASE_IN),
+    ("ffn_in", 768): _preloaded(_BERT_BASE_IN),
+    ("out", 768): _preloaded([(bm, 32, 128, 2, 4) for bm in (16, 32, 64, 64)]),
     ("ffn_out", 768): _preloaded(
-        [(16, 64, 256, 6, 8), (32, 64, 256, 6, 4), (64, 64, 256, 6, 4),
-         (128, 64, 256, 6, 8)]
+        [
+            (16, 64, 256, 6, 8),
+            (32, 64, 256, 6, 4),
+            (64, 64, 256, 6, 4),
+            (128, 64, 256, 6, 8),
+        ]
     ),
-    ("qkv", 384): _preloaded(
-        [(16, 32, 128, 1, 4), (32, 32, 128, 1, 4), (64, 32, 128, 1, 4),
-         (64, 32, 128, 1, 4)]
-    ),
-    ("ffn_in", 384): _preloaded(
-        [(16, 32, 128, 1, 4), (32, 32, 128, 1, 4), (64, 32, 128, 1, 4),
-         (64, 32, 128, 1, 4)]
-    ),
-    ("out", 384): _preloaded(
-        [(16, 32, 128, 3, 4), (32, 32, 128, 3, 4), (64, 32, 128, 3, 4),
-         (64, 32, 128, 3, 4)]
-    ),
-    ("ffn_out", 384): _preloaded(
-        [(16, 32, 256, 6, 4), (32, 32, 256, 6, 4), (64, 32, 256, 6, 4),
-         (64, 32, 256, 6, 4)]
-    ),
-}  # fmt: skip
+    ("qkv", 384): _preloaded([(bm, 32, 128, 1, 4) for bm in _MINILM_ROWS]),
+    ("ffn_in", 384): _preloaded([(bm, 32, 128, 1, 4) for bm in _MINILM_ROWS]),
+    ("out", 384): _preloaded([(bm, 32, 128, 3, 4) for bm in _MINILM_ROWS]),
+    ("ffn_out", 384): _preloaded([(bm, 32, 256, 6, 4) for bm in _MINILM_ROWS]),
+}
 
 
 def small_linear_plan(
