@@ -49,6 +49,7 @@ from engine.fused import FusedForward
 from engine.model import ServedModel
 from engine.pinned import Slot, SlotRing
 from engine.torch_backend import TorchBackend, check_batch, resolve_device
+from services.config import env
 from services.repository import ModelEntry
 
 log = logging.getLogger("berth.engine")
@@ -333,10 +334,10 @@ class CudaBackend(TorchBackend):
                 f"input mode {self.input_mode!r}: use one of {INPUT_MODES}"
             )
         if gelu_epilogue is None:
-            gelu_epilogue = os.environ.get("BERTH_EXACT_GELU", "") not in ("1", "true")
+            gelu_epilogue = not env("EXACT_GELU", False)
         self.gelu_epilogue = gelu_epilogue
         if pack is None:
-            pack = os.environ.get("BERTH_CUDA_PACK", "1") not in ("0", "false")
+            pack = env("CUDA_PACK", True)
         self.pack = pack
         self.pdl = pdl  # None: BERTH_PDL, where the GPU has it (FusedForward)
         torch.cuda.set_device(self.torch_device)

@@ -47,27 +47,26 @@ from engine.encoder import ACTIVATIONS, EncoderLayer, key_padding_mask
 from engine.heads import ClsPooling, MeanPooling
 from engine.kernels import add_layer_norm, add_layer_norm_partials, mean_pool
 from engine.model import ServedModel
+from services.config import env
 
 log = logging.getLogger("berth.engine")
 
 # BERTH_ATTENTION: auto (default: the faster per shape), flash, triton or sdpa.
 ATTENTION_ENV = "BERTH_ATTENTION"
 ATTENTION_KINDS = ("flash", "triton", "sdpa")
-# BERTH_PDL=0: kernels launched the classic way (no dependent launches).
-PDL_ENV = "BERTH_PDL"
-# BERTH_PRELOAD=0: few-token forwards keep engine/kernels.SMALL_LINEAR's plan,
-# never timing PRELOAD_LINEAR's against it (``choose_plan``).
-PRELOAD_ENV = "BERTH_PRELOAD"
-# FP8 layers apply FFN-in's activation in cuBLASLt's epilogue (engine/cublaslt.py)
-# instead of a separate pass: 1.06-1.08x the FP8 engine at 128 x 128 on the
-# H200. BERTH_FP8_EPILOGUE=0 keeps the pass. (Session 12 left it opt-in after a
-# graph capture failed once; the cause was garbage collected during a capture,
-# which engine/cuda_graphs.capturing now holds off: notes/gpu.md, session 13.)
-FP8_EPILOGUE_ENV = "BERTH_FP8_EPILOGUE"
-# FP8 layers run QKV, attention-out and FFN-out as cuBLASLt products with an
-# algorithm timed on their shape (engine/cublaslt.py), not torch._scaled_mm's
-# (the heuristic's first). BERTH_FP8_TUNED=0 keeps torch's.
-FP8_TUNED_ENV = "BERTH_FP8_TUNED"
+# Switches read from the environment (services.config.env, on by default):
+# - BERTH_PDL=0: kernels launched the classic way (no dependent launches);
+# - BERTH_PRELOAD=0: few-token forwards keep engine/kernels.SMALL_LINEAR's
+#   plan, never timing PRELOAD_LINEAR's against it (``choose_plan``);
+# - BERTH_FP8_EPILOGUE=0: FP8 layers apply FFN-in's activation in a separate
+#   pass instead of cuBLASLt's epilogue (engine/cublaslt.py; the epilogue is
+#   1.06-1.08x the FP8 engine at 128 x 128 on the H200). Session 12 left it
+#   opt-in after a graph capture failed once; the cause was garbage collected
+#   during a capture, which engine/cuda_graphs.capturing now holds off
+#   (notes/gpu.md, session 13);
+# - BERTH_FP8_TUNED=0: FP8 layers run QKV, attention-out and FFN-out through
+#   torch._scaled_mm (the heuristic's first algorithm) instead of cuBLASLt
+#   products with an algorithm timed on their shape (engine/cublaslt.py).
 
 
 class Fp8Layer(NamedTuple):
@@ -145,7 +144,7 @@ class FusedForward:
             self.plan_act = kernels.ACT_GELU_ERF
         self.mean = isinstance(served.pooling, MeanPooling)
         if pdl is None:
-            pdl = os.environ.get(PDL_ENV, "1") not in ("0", "false")
+            pdl = env("PDL", True)
         self.pdl = pdl and kernels.pdl_available(weight)
         self.pdl_max_tokens = PDL_MAX_TOKENS
         self.kinds = self._available(weight)
@@ -155,14 +154,14 @@ class FusedForward:
         # By (tokens, preloading): the few-token GEMMs' tiles.
         self._plans: dict[tuple[int, bool], dict[str, kernels.LinearConfig]] = {}
         if preload is None:
-            preload = os.environ.get(PRELOAD_ENV, "1") not in ("0", "false")
+            preload = env("PRELOAD", True)
         self.preload = preload
         # (batch, length) -> whether its forward runs PRELOAD_LINEAR's plan.
         self.preloaded: dict[tuple[int, int], bool] = {}
         if fp8_epilogue is None:
-            fp8_epilogue = os.environ.get(FP8_EPILOGUE_ENV, "1") not in ("0", "false")
+            fp8_epilogue = env("FP8_EPILOGUE", True)
         if fp8_tuned is None:
-            fp8_tuned = os.environ.get(FP8_TUNED_ENV, "1") not in ("0", "false")
+            fp8_tuned = env("FP8_TUNED", True)
         self.fp8 = self._fp8_plans(fp8_epilogue, fp8_tuned)
 
     def _fp8_plans(self, epilogue: bool, tuned: bool) -> list[Fp8Layer | None]:
@@ -316,9 +315,7 @@ class FusedForward:
             self.chosen[(batch, length)] = "triton"
             return "triton"
         weight = self.encoder.embeddings.word.weight
-        lengths = torch.randint(
-            length // 2 + 1, length + 1, (batch,), device=weight.device
-        )
+        lengths = _timing_lengths(batch, length, weight.device)
         used = lengths.to(torch.int32)
         candidates = {}
         for kind in self.kinds:
@@ -362,9 +359,7 @@ class FusedForward:
             return False
         weight = self.encoder.embeddings.word.weight
         ids = torch.randint(0, weight.shape[0], (batch, length), device=weight.device)
-        lengths = torch.randint(
-            length // 2 + 1, length + 1, (batch,), device=weight.device
-        )
+        lengths = _timing_lengths(batch, length, weight.device)
         ms = {}
         for preload in (False, True):
             self.preloaded[key] = preload
@@ -651,6 +646,11 @@ def _product(
 def _inv_scale(projection: nn.Module) -> torch.Tensor:
     """1 / the static input scale of an FP8 projection (a device scalar)."""
     return cast(torch.Tensor, projection.input_inv_scale)
+
+
+def _timing_lengths(batch: int, length: int, device: torch.device) -> torch.Tensor:
+    """Random row lengths in (L/2, L]: what the choices at capture are timed on."""
+    return torch.randint(length // 2 + 1, length + 1, (batch,), device=device)
 
 
 def _packed_starts(used: torch.Tensor) -> torch.Tensor:

@@ -799,15 +799,19 @@ def _preloaded(
 # At BERT-base 1 x 128 all four preloading measured best (1.055x); QKV or
 # FFN-in alone among the other plan's GEMMs was slower (0.997x, 0.967x), and
 # one loop kernel among the preloading ones cost more than the plan saves
-# (0.88x): the plan is taken whole.
-# (block_m, block_n, K chunk, split, warps) at up to 16, 32, 64, 128 tokens.
-_BERT_BASE_IN = [(16, 32, 256, 1, 8), (32, 32, 256, 1, 4), (64, 32, 256, 1, 4),
-                 (128, 32, 256, 1, 8)]  # QKV and FFN-in  # fmt: skip
-_MINILM_ROWS = (16, 32, 64, 64)  # block_m
+# (0.88x): the plan is taken whole. Rows: (block_m, block_n, K chunk, split,
+# warps) at up to 16, 32, 64 and 128 tokens (_preloaded).
+_BERT_BASE_IN = [  # QKV and FFN-in
+    (16, 32, 256, 1, 8),
+    (32, 32, 256, 1, 4),
+    (64, 32, 256, 1, 4),
+    (128, 32, 256, 1, 8),
+]
+_BLOCK_M = (16, 32, 64, 64)  # attention-out, and every MiniLM projection
 PRELOAD_LINEAR: dict[tuple[str, int], list[tuple[int, LinearConfig]]] = {
     ("qkv", 768): _preloaded(_BERT_BASE_IN),
     ("ffn_in", 768): _preloaded(_BERT_BASE_IN),
-    ("out", 768): _preloaded([(bm, 32, 128, 2, 4) for bm in (16, 32, 64, 64)]),
+    ("out", 768): _preloaded([(bm, 32, 128, 2, 4) for bm in _BLOCK_M]),
     ("ffn_out", 768): _preloaded(
         [
             (16, 64, 256, 6, 8),
@@ -816,10 +820,10 @@ PRELOAD_LINEAR: dict[tuple[str, int], list[tuple[int, LinearConfig]]] = {
             (128, 64, 256, 6, 8),
         ]
     ),
-    ("qkv", 384): _preloaded([(bm, 32, 128, 1, 4) for bm in _MINILM_ROWS]),
-    ("ffn_in", 384): _preloaded([(bm, 32, 128, 1, 4) for bm in _MINILM_ROWS]),
-    ("out", 384): _preloaded([(bm, 32, 128, 3, 4) for bm in _MINILM_ROWS]),
-    ("ffn_out", 384): _preloaded([(bm, 32, 256, 6, 4) for bm in _MINILM_ROWS]),
+    ("qkv", 384): _preloaded([(bm, 32, 128, 1, 4) for bm in _BLOCK_M]),
+    ("ffn_in", 384): _preloaded([(bm, 32, 128, 1, 4) for bm in _BLOCK_M]),
+    ("out", 384): _preloaded([(bm, 32, 128, 3, 4) for bm in _BLOCK_M]),
+    ("ffn_out", 384): _preloaded([(bm, 32, 256, 6, 4) for bm in _BLOCK_M]),
 }
 
 
