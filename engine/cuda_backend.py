@@ -32,6 +32,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -162,7 +163,7 @@ class ModelRunner:
         """What a graph runs: one batch's io buffer -> float32 [B, width], into
         out when given (zero-copy: the mapped pinned output); packed into
         ``tokens`` rows when given."""
-        if self.zero_copy:
+        if self.zero_copy and not self.forward.reads_host(batch, length, tokens):
             io = io.to(torch.int64)  # one coalesced read of the mapped host buffer
         ids, lengths = io_views(io, batch, length)
         if out is None:
@@ -186,7 +187,7 @@ class ModelRunner:
             for batch, length in fits:  # the faster attention kernel per shape
                 ladder = token_ladder(batch, length) if self.pack else []
                 self.forward.choose_attention(batch, length, packed=bool(ladder))
-                self.forward.choose_plan(batch, length)
+                self._choose_plan(buffers[0], batch, length)
                 if not self.forward.packs(batch, length):
                     ladder = []
                 if ladder:  # its top rung: batches of full rows
@@ -196,26 +197,71 @@ class ModelRunner:
                 ]
             self.graphs.capture(buffers, graphs)
 
+    def _choose_plan(self, buffers: Buffers, batch: int, length: int) -> None:
+        """FusedForward.choose_plan timing the step this shape's graph will
+        run, on the graph's own buffers (the first slot's, zero-copy) holding
+        random ids and lengths in (L/2, L]; zeros again afterwards, what every
+        capture's warm-up reads (lengths that fit any packed graph)."""
+        tokens = batch * length
+        if not self.forward.preload_eligible(tokens):
+            self.forward.choose_plan(batch, length)  # records "not preloaded"
+            return
+        rng = np.random.default_rng(tokens + length)
+        values = np.empty(tokens + batch, dtype=np.int32)
+        values[:tokens] = rng.integers(0, self.vocab, size=tokens, dtype=np.int32)
+        values[tokens:] = rng.integers(length // 2 + 1, length + 1, size=batch)
+        io, out = buffers
+        write = self.ring.slots[0].io if self.zero_copy else None
+        if write is not None:
+            write[: tokens + batch] = values
+        else:
+            io[: tokens + batch].copy_(torch.from_numpy(values))
+        try:
+            run = partial(self.step, io[: tokens + batch], out, batch, length)
+            self.forward.choose_plan(batch, length, run)
+        finally:
+            if write is not None:
+                write[: tokens + batch] = 0
+            else:
+                io[: tokens + batch].zero_()
+
     def submit(
         self, ids: np.ndarray, lengths: np.ndarray, rows: int, length: int
     ) -> Ticket:
-        # 1. Validate what could crash a kernel: ids index the embedding table.
-        _check_values(ids, lengths, length, self.vocab)
         if length > self.max_length:
             raise ValueError(
                 f"sequence length {length} is over the model's {self.max_length} "
                 "positions"
             )
         self.allocate(max(rows, MAX_ROWS))
-        # 2. The graph: the smallest captured batch that holds these rows.
+        # 1. The graph: the smallest captured batch that holds these rows.
         padded = self.graphs.padded_batch(rows, length)
+        # 2. Validate what could crash a kernel: ids index the embedding
+        # table, lengths cut rows. Where the forward clamps both itself, the
+        # graph is launched first and the values checked while it runs (a
+        # batch-1 graph starts ~3 us sooner); a batch that fails is waited
+        # for, its slot freed, and its error raised as before.
+        later = (
+            padded is not None
+            and not self.graphs.packs(padded, length)
+            and self.forward.clamps_inputs(padded, length, None)
+        )
+        if not later:
+            _check_values(ids, lengths, length, self.vocab)
         index, slot = self.ring.take()
         try:
             self._enqueue(index, slot, ids, lengths, rows, length, padded)
         except BaseException:
             slot.busy = False
             raise
-        return Ticket(slot, rows, self.width)
+        ticket = Ticket(slot, rows, self.width)
+        if later:
+            try:
+                _check_values(ids, lengths, length, self.vocab)
+            except ValueError:
+                collect(ticket)  # computed on clamped values: discarded
+                raise
+        return ticket
 
     def _enqueue(
         self,
@@ -244,12 +290,12 @@ class ModelRunner:
         copy_in, compute, computed, copied = slot.events
         slot.staged = not self.zero_copy
         stream = self.stream
+        if padded is not None and self.zero_copy:  # the graph does all three
+            compute.record(stream)
+            self.graphs.launch(index, batch, length, packed, stream)
+            copied.record(stream)
+            return
         with OnStream(stream):
-            if padded is not None and self.zero_copy:  # the graph does all three
-                compute.record(stream)
-                self.graphs.replay(index, batch, length, packed)
-                copied.record(stream)
-                return
             copy_in.record(stream)
             source = slot.io_cuda if self.zero_copy else self.device_io
             if not self.zero_copy:

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from engine.pinned import cuda_runtime
+
 log = logging.getLogger("berth.engine")
 
 BATCH_LADDER = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -127,16 +129,19 @@ def capturing(graph: torch.cuda.CUDAGraph, **kwargs: Any) -> Iterator[None]:
 
 
 _capture_lock = threading.Lock()
+_RUNTIME = cuda_runtime()  # cuda-python's runtime, where installed
 _captures = 0  # captures under way, in any thread
 _collector_was_on = True
 
 
 @dataclass
 class Captured:
-    """One captured graph and the static tensor its replays overwrite."""
+    """One captured graph and the static tensor its replays overwrite;
+    ``executable``: its cudaGraphExec_t, where cuda-python can launch it."""
 
     graph: torch.cuda.CUDAGraph
     output: torch.Tensor
+    executable: int | None = None
 
 
 class GraphCache:
@@ -183,7 +188,7 @@ class GraphCache:
                     with capturing(graph, pool=self.pool, stream=self.stream):
                         output = self.step(io[:size], out, batch, length, tokens)
                     key = (index, batch, length, tokens)
-                    self._graphs[key] = Captured(graph, output)
+                    self._graphs[key] = Captured(graph, output, _executable(graph))
                 sizes = self._sizes.setdefault(length, [])
                 if batch not in sizes:
                     bisect.insort(sizes, batch)
@@ -220,6 +225,45 @@ class GraphCache:
         captured.graph.replay()
         return captured.output
 
+    def launch(
+        self,
+        buffer: int,
+        batch: int,
+        length: int,
+        tokens: int | None,
+        stream: torch.cuda.Stream,
+    ) -> torch.Tensor:
+        """``replay`` on ``stream``, without making it the current stream:
+        cudaGraphLaunch straight on the graph's executable through
+        cuda-python (the host work of a batch-1 launch: 1.9 us against 4.1
+        for torch's stream context and replay, H200 host); torch's replay
+        where cuda-python is missing or another device is current."""
+        captured = self._graphs[(buffer, batch, length, tokens)]
+        runtime = _RUNTIME
+        if (
+            runtime is None
+            or captured.executable is None
+            or torch.cuda.current_device() != stream.device_index
+        ):
+            with torch.cuda.stream(stream):
+                captured.graph.replay()
+            return captured.output
+        (err,) = runtime.cudaGraphLaunch(captured.executable, stream.cuda_stream)
+        if err != runtime.cudaError_t.cudaSuccess:
+            raise RuntimeError(f"cudaGraphLaunch failed: {err}")
+        return captured.output
+
     def outputs(self) -> list[torch.Tensor]:
         """Every graph's static output (tests poison them)."""
         return [captured.output for captured in self._graphs.values()]
+
+
+def _executable(graph: torch.cuda.CUDAGraph) -> int | None:
+    """The instantiated graph's cudaGraphExec_t (torch >= 2.6), or None."""
+    raw = getattr(graph, "raw_cuda_graph_exec", None)
+    if raw is None or _RUNTIME is None:
+        return None
+    try:
+        return int(raw())
+    except (TypeError, RuntimeError):  # another build's handle type: replay()
+        return None

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
+from functools import partial
 from typing import Any, NamedTuple, cast
 
 import torch
@@ -248,7 +250,8 @@ class FusedForward:
         if tokens is not None and not full:
             return self._packed(ids, lengths, tokens, kind)
         pdl = self._dependent(ids.numel())
-        x = kernels.embed_layer_norm(emb, ids, pdl)
+        # Every later kernel reads the embedding kernel's copy of lengths.
+        x, lengths = kernels.embed_with_lengths(emb, ids, lengths, pdl)
         if full:
             chosen = self.full_rows.get((batch, length), "sdpa")
             keys = self._full_keys(chosen, lengths, batch, length)
@@ -270,6 +273,24 @@ class FusedForward:
     def _dependent(self, tokens: int) -> bool:
         """Whether this many tokens' kernels launch dependent (PDL_MAX_TOKENS)."""
         return self.pdl and tokens <= self.pdl_max_tokens
+
+    def clamps_inputs(self, batch: int, length: int, tokens: int | None) -> bool:
+        """Whether this shape's forward reads ids and lengths only in its
+        embedding kernel, which clamps them (ids into the vocabulary, lengths
+        into [0, L]) and copies lengths for every later kernel: unpacked rows,
+        with Triton. No input makes such a forward read out of bounds, so the
+        engine may check a batch's values while it runs."""
+        unpacked = tokens is None or tokens == batch * length
+        return unpacked and kernels.use_triton(self.encoder.embeddings.word.weight)
+
+    def reads_host(self, batch: int, length: int, tokens: int | None) -> bool:
+        """Whether this shape's forward may take ids and lengths straight from
+        a device-mapped host buffer: its embedding kernel is their only reader
+        (``clamps_inputs``), and at few tokens its programs' scattered reads
+        over PCIe cost less than a copy kernel before it (a zero-copy graph's
+        first kernel at batch 1)."""
+        few = batch * length <= self.pdl_max_tokens
+        return few and self.clamps_inputs(batch, length, tokens)
 
     def packs(self, batch: int, length: int) -> bool:
         """Whether this shape can run packed: its attention kernel takes row
@@ -345,26 +366,37 @@ class FusedForward:
         self.full_rows[(batch, length)] = best
         return best
 
-    def choose_plan(self, batch: int, length: int) -> bool:
+    def choose_plan(
+        self, batch: int, length: int, run: Callable[[], object] | None = None
+    ) -> bool:
         """Whether this shape's forward runs engine/kernels.PRELOAD_LINEAR's
-        GEMMs instead of SMALL_LINEAR's plan: the whole forward timed with
-        each in a CUDA graph (random ids, lengths in (L/2, L]), the faster
-        remembered for the shape's graphs. Only shapes ``preload_eligible``
-        are timed; call it after ``choose_attention``. On the H200 neither
-        plan is faster at every shape (the table's comment). A preloading
-        forward that fails to run is logged and the shape keeps the other."""
+        GEMMs instead of SMALL_LINEAR's plan: one batch timed with each in a
+        CUDA graph from an idle GPU, as batches run (the best of 25 replays),
+        the faster remembered for the shape's graphs. ``run`` is that batch:
+        the engine's whole graph step on its own buffers (the forward alone,
+        on random ids with lengths in (L/2, L], where not given). The step
+        and the forward alone can rank the plans differently: at 128 tokens
+        on the H200 the two plans' forwards tie while the preloading plan's
+        zero-copy step is ~5 % faster (notes/gpu.md, session 15). Only shapes
+        ``preload_eligible`` are timed; call it after ``choose_attention``.
+        A preloading forward that fails to run is logged and the shape keeps
+        the other plan."""
         key = (batch, length)
         self.preloaded[key] = False
         if not self.preload_eligible(batch * length):
             return False
-        weight = self.encoder.embeddings.word.weight
-        ids = torch.randint(0, weight.shape[0], (batch, length), device=weight.device)
-        lengths = _timing_lengths(batch, length, weight.device)
+        if run is None:
+            weight = self.encoder.embeddings.word.weight
+            ids = torch.randint(
+                0, weight.shape[0], (batch, length), device=weight.device
+            )
+            lengths = _timing_lengths(batch, length, weight.device)
+            run = partial(self, ids, lengths)
         ms = {}
         for preload in (False, True):
             self.preloaded[key] = preload
             try:
-                ms[preload] = time_in_graph(lambda: self(ids, lengths))
+                ms[preload] = time_in_graph(run, calls=1, rounds=25)
             except Exception as exc:  # Triton's errors are not RuntimeErrors
                 self.preloaded[key] = False
                 if not preload:

@@ -5,7 +5,8 @@
   e4m3 input;
 - ``quantize_e4m3``: act(x) / scale as e4m3, one pass (an FP8 product's
   input where its producer cannot write e4m3 itself);
-- ``embed_layer_norm``: word + position + type-0 embeddings, then LayerNorm;
+- ``embed_layer_norm``: word + position + type-0 embeddings, then LayerNorm
+  (``embed_with_lengths``: copying the rows' lengths too);
 - ``mean_pool``: the float32 mean of each row's real tokens;
 - ``attention``: softmax(QK^T / sqrt(d)) V straight from the fused QKV
   projection, keys cut at each row's length, key blocks past it skipped;
@@ -23,9 +24,10 @@ A chain of such kernels overlaps each launch with the previous kernel's
 tail, what a few-token forward of ~90 short kernels spends much of its time
 in (notes/gpu.md). Every program of every such kernel waits before it
 reads anything a kernel writes, so the ordering stays transitive: a kernel
-reading what two kernels back wrote is safe. One kernel reads earlier:
-``linear`` with ``LinearConfig.preload`` reads its weights before it waits
-(no kernel writes weights), so they stream in while its predecessor runs.
+reading what two kernels back wrote is safe. What kernels read before they
+wait is model weights, which no kernel writes, so they stream in while the
+predecessor runs: biases, LayerNorm weights, position embeddings, and with
+``LinearConfig.preload`` ``linear``'s whole weight slice.
 
 Without Triton (the CPU build of torch) or off the GPU each falls back to
 torch ops, so the module imports and computes everywhere; with
@@ -100,14 +102,20 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
-    def _layer_norm(x, keep, cols, n_cols, eps, w_ptr, b_ptr):  # type: ignore[no-untyped-def]
+    def _row_weights(ptr, cols, n_cols):  # type: ignore[no-untyped-def]
+        # float32 [BLOCK] of a model weight vector (a bias, a LayerNorm's
+        # weight or bias) at cols, 0 past n_cols: loaded before a kernel's
+        # wait (no kernel writes weights), off the chain's critical path.
+        return tl.load(ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _layer_norm(x, keep, n_cols, eps, w, b):  # type: ignore[no-untyped-def]
         # LayerNorm over the columns of float32 rows x [R, BLOCK] (0 outside
-        # keep), weights and biases read at cols: every LayerNorm kernel's end.
+        # keep) with float32 weights w and biases b [BLOCK] (_row_weights):
+        # every LayerNorm kernel's end.
         mean = tl.sum(x, axis=1) / n_cols
         diff = tl.where(keep, x - mean[:, None], 0.0)
         rstd = tl.rsqrt(tl.sum(diff * diff, axis=1) / n_cols + eps)
-        w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
         return diff * rstd[:, None] * w[None, :] + b[None, :]
 
     @triton.jit
@@ -137,14 +145,15 @@ if triton is not None:
     ):  # fmt: skip
         # With QUANT, the normalized rows are also stored as e4m3 (q_ptr), in
         # the scale the next FP8 matmul reads them with (1 / scale at inv_ptr).
+        cols = tl.arange(0, BLOCK)
+        w, b = _row_weights(w_ptr, cols, n_cols), _row_weights(b_ptr, cols, n_cols)
         _chain(GDC)
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        cols = tl.arange(0, BLOCK)
         keep = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
         offsets = rows[:, None] * n_cols + cols[None, :]
         x = tl.load(x_ptr + offsets, mask=keep, other=0.0).to(tl.float32)
         x += tl.load(r_ptr + offsets, mask=keep, other=0.0).to(tl.float32)
-        y = _layer_norm(x, keep, cols, n_cols, eps, w_ptr, b_ptr)
+        y = _layer_norm(x, keep, n_cols, eps, w, b)
         tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=keep)
         if QUANT:
             q = _e4m3(y, inv_ptr)
@@ -165,28 +174,39 @@ if triton is not None:
     @triton.jit
     def _embed_layer_norm_kernel(  # type: ignore[no-untyped-def]
         ids_ptr, len_ptr, start_ptr, word_ptr, pos_ptr, type_ptr, w_ptr, b_ptr,
-        out_ptr, length, n_cols, eps,
-        BLOCK: tl.constexpr, PACKED: tl.constexpr, GDC: tl.constexpr,
+        out_ptr, len_out_ptr, length, n_rows, n_cols, vocab, eps,
+        BLOCK: tl.constexpr, PACKED: tl.constexpr, COPY_LENGTHS: tl.constexpr,
+        GDC: tl.constexpr,
     ):  # fmt: skip
         # Program p: token p % L of row p // L. Padded: stored at p. PACKED:
         # stored at its row's start + p % L when inside the row (lengths >= 1
-        # here), nothing otherwise.
+        # here), nothing otherwise. COPY_LENGTHS (padded): program p < B also
+        # copies row p's length to len_out, clamped to [0, L]. Ids are clamped
+        # to [0, vocab): no input makes this kernel read outside the table
+        # (the engine may check a batch's values after launching it).
+        pid = tl.program_id(0)
+        position = pid % length
+        cols = tl.arange(0, BLOCK)
+        keep = (cols < n_cols)[None, :]  # one row: [1, BLOCK]
+        w, b = _row_weights(w_ptr, cols, n_cols), _row_weights(b_ptr, cols, n_cols)
+        x = _row_weights(pos_ptr + position * n_cols, cols, n_cols)[None, :]
+        x += _row_weights(type_ptr, cols, n_cols)[None, :]
         _chain(GDC)
-        position = tl.program_id(0) % length
-        at = tl.program_id(0).to(tl.int64)
+        if COPY_LENGTHS:  # noqa: SIM102 (a compile-time branch, then a runtime one)
+            if pid < n_rows:
+                used = tl.minimum(tl.maximum(tl.load(len_ptr + pid), 0), length)
+                tl.store(len_out_ptr + pid, used)
+        at = pid.to(tl.int64)
         if PACKED:
-            row = tl.program_id(0) // length
+            row = pid // length
             if position >= tl.load(len_ptr + row):
                 return
             at = tl.load(start_ptr + row).to(tl.int64) + position
-        token = tl.load(ids_ptr + tl.program_id(0).to(tl.int64)).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        keep = (cols < n_cols)[None, :]  # one row: [1, BLOCK]
-        x = tl.load(word_ptr + token * n_cols + cols[None, :], mask=keep, other=0.0)
-        x = x.to(tl.float32)
-        x += tl.load(pos_ptr + position * n_cols + cols[None, :], mask=keep, other=0.0)
-        x += tl.load(type_ptr + cols[None, :], mask=keep, other=0.0)
-        y = _layer_norm(x, keep, cols, n_cols, eps, w_ptr, b_ptr)
+        token = tl.load(ids_ptr + pid.to(tl.int64)).to(tl.int64)
+        token = tl.minimum(tl.maximum(token, 0), vocab - 1)
+        word = tl.load(word_ptr + token * n_cols + cols[None, :], mask=keep, other=0.0)
+        x += word.to(tl.float32)
+        y = _layer_norm(x, keep, n_cols, eps, w, b)
         where = out_ptr + at * n_cols + cols[None, :]
         tl.store(where, y.to(out_ptr.dtype.element_ty), mask=keep)
 
@@ -261,8 +281,17 @@ if triton is not None:
         tl.store(where_out, result, mask=queries[:, None] < rows_queries)
 
     @triton.jit
+    def _linear_bias(b_ptr, cols, N, SPLIT: tl.constexpr):  # type: ignore[no-untyped-def]
+        # A linear program's bias (_row_weights; none for split-K partials).
+        if SPLIT > 1:
+            bias = tl.zeros(cols.shape, dtype=tl.float32)
+        else:
+            bias = _row_weights(b_ptr, cols, N)
+        return bias
+
+    @triton.jit
     def _linear_store(  # type: ignore[no-untyped-def]
-        acc, rows, cols, b_ptr, out_ptr, M, N,
+        acc, rows, cols, bias, out_ptr, M, N,
         ACT: tl.constexpr, SPLIT: tl.constexpr,
     ):  # fmt: skip
         # A linear program's end: float32 partial of K slice program_id(2) to
@@ -273,9 +302,7 @@ if triton is not None:
             part = out_ptr + tl.program_id(2).to(tl.int64) * M * N
             tl.store(part + where, acc, mask=keep)
         else:
-            acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[
-                None, :
-            ]
+            acc += bias[None, :]
             acc = _activate(acc, ACT)
             tl.store(out_ptr + where, acc.to(out_ptr.dtype.element_ty), mask=keep)
 
@@ -287,9 +314,10 @@ if triton is not None:
     ):  # fmt: skip
         # out [M, N] = act(x [M, K] @ w [N, K]^T + b); with SPLIT > 1, program
         # (m, n, s) writes the float32 partial of K slice s to out [s, M, N].
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        bias = _linear_bias(b_ptr, cols, N, SPLIT)
         _chain(GDC)
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         inner = tl.arange(0, BLOCK_K)
         first = tl.program_id(2) * k_slice
         x_at = x_ptr + rows[:, None].to(tl.int64) * K + (first + inner)[None, :]
@@ -302,7 +330,7 @@ if triton is not None:
             acc = tl.dot(a, b, acc)
             x_at += BLOCK_K
             w_at += BLOCK_K
-        _linear_store(acc, rows, cols, b_ptr, out_ptr, M, N, ACT, SPLIT)
+        _linear_store(acc, rows, cols, bias, out_ptr, M, N, ACT, SPLIT)
 
     @triton.jit
     def _linear_preload_kernel(  # type: ignore[no-untyped-def]
@@ -314,8 +342,8 @@ if triton is not None:
         # _linear_kernel's product with the program's whole weight slice
         # (CHUNKS x CHUNK of K, at most 4) loaded before it waits for the
         # previous kernel: no kernel writes weights, so they may be read
-        # early, while the predecessor still runs (dependent launch). x and
-        # the bias are read after the wait.
+        # early, while the predecessor still runs (dependent launch). x is
+        # read after the wait.
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_in = cols[None, :] < N
         first = tl.program_id(2) * k_slice
@@ -328,6 +356,7 @@ if triton is not None:
             w2 = tl.load(w_at + 2 * CHUNK, mask=col_in, other=0.0)
         if CHUNKS > 3:
             w3 = tl.load(w_at + 3 * CHUNK, mask=col_in, other=0.0)
+        bias = _linear_bias(b_ptr, cols, N, SPLIT)
         _chain(GDC)
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_in = rows[:, None] < M
@@ -339,25 +368,25 @@ if triton is not None:
             acc = tl.dot(tl.load(x_at + 2 * CHUNK, mask=row_in, other=0.0), w2, acc)
         if CHUNKS > 3:
             acc = tl.dot(tl.load(x_at + 3 * CHUNK, mask=row_in, other=0.0), w3, acc)
-        _linear_store(acc, rows, cols, b_ptr, out_ptr, M, N, ACT, SPLIT)
+        _linear_store(acc, rows, cols, bias, out_ptr, M, N, ACT, SPLIT)
 
     @triton.jit
     def _partials_layer_norm_kernel(  # type: ignore[no-untyped-def]
         p_ptr, bias_ptr, r_ptr, w_ptr, b_ptr, out_ptr, n_rows, n_cols, eps,
         SPLIT: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr,
     ):  # fmt: skip
+        cols = tl.arange(0, BLOCK)
+        bias = _row_weights(bias_ptr, cols, n_cols)
+        w, b = _row_weights(w_ptr, cols, n_cols), _row_weights(b_ptr, cols, n_cols)
         _chain(GDC)
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        cols = tl.arange(0, BLOCK)
         keep = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
         offsets = rows[:, None] * n_cols + cols[None, :]
         x = tl.load(r_ptr + offsets, mask=keep, other=0.0).to(tl.float32)
-        x += tl.load(bias_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[
-            None, :
-        ]
+        x += bias[None, :]
         for s in tl.static_range(SPLIT):
             x += tl.load(p_ptr + s * n_rows * n_cols + offsets, mask=keep, other=0.0)
-        y = _layer_norm(x, keep, cols, n_cols, eps, w_ptr, b_ptr)
+        y = _layer_norm(x, keep, n_cols, eps, w, b)
         tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=keep)
 
 
@@ -469,9 +498,26 @@ def embed_layer_norm(
     """[B*L, H]: the embeddings module's output for ids [B, L], flattened."""
     if not use_triton(emb.word.weight):
         return emb(ids).flatten(0, 1)
+    return _embed(emb, ids, None, _embed_out(emb, ids.numel(), ids.device), pdl)
+
+
+def embed_with_lengths(
+    emb: Embeddings, ids: torch.Tensor, lengths: torch.Tensor, pdl: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``embed_layer_norm``'s rows, and a copy of lengths [B] in new device
+    memory, written by the same kernel: ids and lengths may live in a
+    device-mapped host buffer (a zero-copy graph's input), read once over
+    PCIe by this kernel and never again, with no copy kernel before it."""
+    if not use_triton(emb.word.weight):
+        return emb(ids).flatten(0, 1), lengths
+    out = _embed_out(emb, ids.numel(), ids.device)
+    copied = torch.empty_like(lengths)
+    return _embed(emb, ids, None, out, pdl, (lengths, copied)), copied
+
+
+def _embed_out(emb: Embeddings, tokens: int, device: torch.device) -> torch.Tensor:
     cols = emb.word.weight.shape[1]
-    out = torch.empty(ids.numel(), cols, dtype=emb.word.weight.dtype, device=ids.device)
-    return _embed(emb, ids, None, out, pdl)
+    return torch.empty(tokens, cols, dtype=emb.word.weight.dtype, device=device)
 
 
 def embed_packed(
@@ -485,8 +531,7 @@ def embed_packed(
     """[tokens, H]: row b's first lengths[b] embeddings at starts[b] onwards, for
     ids [B, L] and lengths >= 1; rows past the last row's end are not written."""
     batch, length = ids.shape
-    cols = emb.word.weight.shape[1]
-    out = torch.empty(tokens, cols, dtype=emb.word.weight.dtype, device=ids.device)
+    out = _embed_out(emb, tokens, ids.device)
     if not use_triton(emb.word.weight):
         padded = emb(ids).flatten(0, 1)
         at = torch.arange(length, device=ids.device)
@@ -503,17 +548,23 @@ def _embed(
     packed: tuple[torch.Tensor, torch.Tensor] | None,
     out: torch.Tensor,
     pdl: bool,
+    copy: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The embeddings kernel over ids [B, L] into out: padded, or packed from
-    (lengths, starts)."""
+    (lengths, starts); padded with ``copy`` = (lengths, into), lengths copied
+    too."""
     lengths, starts = packed or (ids, ids)  # padded: the kernel reads neither
+    if copy is not None:
+        lengths = copy[0]
+    copied = copy[1] if copy is not None else ids
     cols = emb.word.weight.shape[1]
     block = triton.next_power_of_2(cols)
     _embed_layer_norm_kernel[(ids.numel(),)](
         ids, lengths, starts, emb.word.weight, emb.position.weight[emb.offset :],
-        emb.token_type, emb.norm.weight, emb.norm.bias, out, ids.shape[1], cols,
-        emb.norm.eps, BLOCK=block, num_warps=_warps(block), PACKED=packed is not None,
-        **_launch(pdl),
+        emb.token_type, emb.norm.weight, emb.norm.bias, out, copied, ids.shape[1],
+        ids.shape[0], cols, emb.word.weight.shape[0], emb.norm.eps, BLOCK=block,
+        num_warps=_warps(block),
+        PACKED=packed is not None, COPY_LENGTHS=copy is not None, **_launch(pdl),
     )  # fmt: skip
     return out
 

@@ -295,14 +295,56 @@ def test_double_buffering_keeps_batches_apart(backend: CudaBackend) -> None:
     np.testing.assert_array_equal(collect(second)[0], b_alone)
 
 
-def test_bad_ids_fail_the_batch_not_the_engine(backend: CudaBackend) -> None:
+@pytest.mark.parametrize("shape", [(1, 16), (4, 32), (128, 128)])
+@pytest.mark.parametrize(
+    ("what", "error"),
+    [("id past the vocabulary", "token ids"), ("negative id", "token ids"),
+     ("length past the bucket", "lengths"), ("negative length", "lengths")],
+)  # fmt: skip
+def test_bad_values_fail_the_batch_not_the_engine(
+    backend: CudaBackend, shape: tuple[int, int], what: str, error: str
+) -> None:
+    """Checked before the launch (packed 128 x 128) or while the graph runs on
+    clamped values (1 x 16 reads the mapped input itself, 4 x 32 after a
+    copy): either way the batch fails with its error, and the slots and the
+    results of later batches are as before."""
     runner = backend.runner("minilm")
-    ids, lengths = random_batch(4, 32, runner.vocab, seed=4)
-    ids[1, 3] = runner.vocab
-    with pytest.raises(ValueError, match="token ids"):
-        backend.run("minilm", ids, lengths)
-    ids[1, 3] = 0
-    assert np.isfinite(backend.run("minilm", ids, lengths)).all()
+    rows, length = shape
+    ids, lengths = random_batch(rows, length, runner.vocab, seed=4)
+    good = backend.run("minilm", ids, lengths)
+    bad_ids, bad_lengths = ids.copy(), lengths.copy()
+    if what == "id past the vocabulary":
+        bad_ids[rows - 1, 3] = runner.vocab
+    elif what == "negative id":
+        bad_ids[0, 0] = -1
+    elif what == "length past the bucket":
+        bad_lengths[rows - 1] = length + 1
+    else:
+        bad_lengths[0] = -1
+    with pytest.raises(ValueError, match=error):
+        backend.run("minilm", bad_ids, bad_lengths)
+    for _ in range(3):  # both slots, and the one after
+        np.testing.assert_array_equal(backend.run("minilm", ids, lengths), good)
+
+
+def test_graphs_launch_through_cuda_python(backend: CudaBackend) -> None:
+    """Zero-copy batches launch each graph's executable straight on the
+    engine's stream (cuda-python is in the GPU image); the output is the
+    one torch's replay gives."""
+    runner = backend.runner("minilm")
+    captured = list(runner.graphs._graphs.values())
+    assert captured and all(c.executable is not None for c in captured)
+    ids, lengths = random_batch(1, 16, runner.vocab, seed=6)
+    launched = backend.run("minilm", ids, lengths)
+    ticket = backend.submit("minilm", ids.tobytes(), lengths.tobytes(), 1, 16)
+    collect(ticket)
+    with torch.cuda.stream(backend.stream):  # the same slot again, by replay()
+        runner.ring.slots[0].io[:16] = ids.reshape(-1)
+        runner.ring.slots[0].io[16:17] = lengths
+        runner.graphs.replay(0, 1, 16)
+    backend.stream.synchronize()
+    replayed = runner.ring.slots[0].out[: runner.width].reshape(1, -1)
+    np.testing.assert_array_equal(replayed, launched)
 
 
 @pytest.mark.parametrize(
@@ -574,7 +616,7 @@ def test_preloading_gemms_replay_alike_and_match_the_other_plan(
     if not forward.pdl:
         pytest.skip("dependent launches need Hopper or later")
 
-    def always(batch: int, length: int) -> bool:
+    def always(batch: int, length: int, run: object = None) -> bool:
         eligible = forward.preload_eligible(batch * length)
         forward.preloaded[(batch, length)] = eligible
         return eligible
