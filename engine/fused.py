@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
 from collections.abc import Callable
 from functools import partial
 from typing import Any, NamedTuple, cast
@@ -372,7 +373,11 @@ class FusedForward:
         """Whether this shape's forward runs engine/kernels.PRELOAD_LINEAR's
         GEMMs instead of SMALL_LINEAR's plan: one batch timed with each in a
         CUDA graph from an idle GPU, as batches run (the best of 25 replays),
-        the faster remembered for the shape's graphs. ``run`` is that batch:
+        the faster remembered for the shape's graphs (``time_in_turn``: the
+        two graphs replayed alternately, so the card's clocks, which drift
+        while the engine captures, weigh on both alike; timed one after the
+        other, the choice at 128 tokens flipped between runs). ``run`` is that
+        batch:
         the engine's whole graph step on its own buffers (the forward alone,
         on random ids with lengths in (L/2, L], where not given). The step
         and the forward alone can rank the plans differently: at 128 tokens
@@ -392,11 +397,11 @@ class FusedForward:
             )
             lengths = _timing_lengths(batch, length, weight.device)
             run = partial(self, ids, lengths)
-        ms = {}
+        graphs = []
         for preload in (False, True):
             self.preloaded[key] = preload
             try:
-                ms[preload] = time_in_graph(run, calls=1, rounds=25)
+                graphs.append(captured(run))
             except Exception as exc:  # Triton's errors are not RuntimeErrors
                 self.preloaded[key] = False
                 if not preload:
@@ -406,6 +411,7 @@ class FusedForward:
                     "SMALL_LINEAR's plan", batch, length, exc,
                 )  # fmt: skip
                 return False
+        ms = dict(zip((False, True), time_in_turn(graphs), strict=True))
         self.preloaded[key] = ms[True] < ms[False]
         log.debug(
             "%dx%d forward: %.3f ms with preloading GEMMs, %.3f ms without",
@@ -698,11 +704,7 @@ def time_in_graph(fn: Any, calls: int = 10, rounds: int = 3) -> float:
     take a few microseconds: they picked flash attention for BERT-base 128 x
     16, whose graph then took 1.32 ms against 0.95 with berth's kernel
     (benchmarks/engine.py, H200)."""
-    fn()  # warm-up: Triton compiles, cuBLAS picks its kernels
-    graph = torch.cuda.CUDAGraph()
-    with capturing(graph):
-        for _ in range(calls):
-            fn()
+    graph = captured(fn, calls)
     best = float("inf")
     for _ in range(rounds):
         start = torch.cuda.Event(enable_timing=True)
@@ -713,3 +715,31 @@ def time_in_graph(fn: Any, calls: int = 10, rounds: int = 3) -> float:
         end.synchronize()
         best = min(best, start.elapsed_time(end) / calls)
     return best
+
+
+def captured(fn: Any, calls: int = 1) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``calls`` calls of fn, after one eager warm-up call
+    (Triton compiles, cuBLAS picks its kernels)."""
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with capturing(graph):
+        for _ in range(calls):
+            fn()
+    return graph
+
+
+def time_in_turn(graphs: list[torch.cuda.CUDAGraph], rounds: int = 25) -> list[float]:
+    """Milliseconds of one replay of each graph from an idle stream, as a
+    batch runs: the median of ``rounds`` rounds that replay every graph once,
+    in turn, each replay timed by events and waited for."""
+    times: list[list[float]] = [[] for _ in graphs]
+    for _ in range(rounds):
+        for graph, own in zip(graphs, times, strict=True):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            own.append(start.elapsed_time(end))
+    return [statistics.median(own) for own in times]
