@@ -372,14 +372,14 @@ class FusedForward:
     ) -> bool:
         """Whether this shape's forward runs engine/kernels.PRELOAD_LINEAR's
         GEMMs instead of SMALL_LINEAR's plan: one batch timed with each in a
-        CUDA graph from an idle GPU, as batches run (the best of 25 replays),
-        the faster remembered for the shape's graphs (``time_in_turn``: the
-        two graphs replayed alternately, so the card's clocks, which drift
-        while the engine captures, weigh on both alike; timed one after the
-        other, the choice at 128 tokens flipped between runs). ``run`` is that
-        batch:
-        the engine's whole graph step on its own buffers (the forward alone,
-        on random ids with lengths in (L/2, L], where not given). The step
+        CUDA graph from an idle GPU, as batches run, the faster remembered
+        for the shape's graphs (``time_in_turn``: the two graphs replayed
+        alternately, the median of 25 rounds, so the card's clocks, which
+        drift while the engine captures, weigh on both alike; timed one after
+        the other, the choice at 128 tokens flipped between runs). ``run`` is
+        that batch: the engine's whole graph step on its own buffers (the
+        forward alone, on random ids with lengths in (L/2, L], where not
+        given). The step
         and the forward alone can rank the plans differently: at 128 tokens
         on the H200 the two plans' forwards tie while the preloading plan's
         zero-copy step is ~5 % faster (notes/gpu.md, session 15). Only shapes

@@ -295,7 +295,7 @@ def test_double_buffering_keeps_batches_apart(backend: CudaBackend) -> None:
     np.testing.assert_array_equal(collect(second)[0], b_alone)
 
 
-@pytest.mark.parametrize("shape", [(1, 16), (4, 32), (128, 128)])
+@pytest.mark.parametrize("shape", [(1, 16), (8, 64), (128, 128)])
 @pytest.mark.parametrize(
     ("what", "error"),
     [("id past the vocabulary", "token ids"), ("negative id", "token ids"),
@@ -305,9 +305,9 @@ def test_bad_values_fail_the_batch_not_the_engine(
     backend: CudaBackend, shape: tuple[int, int], what: str, error: str
 ) -> None:
     """Checked before the launch (packed 128 x 128) or while the graph runs on
-    clamped values (1 x 16 reads the mapped input itself, 4 x 32 after a
-    copy): either way the batch fails with its error, and the slots and the
-    results of later batches are as before."""
+    clamped values (1 x 16's embedding kernel reads the mapped input itself,
+    8 x 64's reads a device copy): either way the batch fails with its error,
+    and the slots and the results of later batches are as before."""
     runner = backend.runner("minilm")
     rows, length = shape
     ids, lengths = random_batch(rows, length, runner.vocab, seed=4)
