@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine import kernels  # noqa: E402
 from engine.cuda_graphs import capturing  # noqa: E402
+from engine.fused import replay_ms  # noqa: E402
 from engine.kernels import (  # noqa: E402
     ACT_GELU_TANH,
     ACT_NONE,
@@ -73,16 +74,7 @@ def graph_us(fn: Callable[[], object]) -> float:
             fn()
     graph.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(7):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / REPEAT)
-    return statistics.median(times)
+    return statistics.median(replay_ms(graph) * 1e3 / REPEAT for _ in range(7))
 
 
 def configs(m: int, split_ok: bool, block_ks: tuple[int, ...]) -> list[LinearConfig]:

@@ -705,16 +705,7 @@ def time_in_graph(fn: Any, calls: int = 10, rounds: int = 3) -> float:
     16, whose graph then took 1.32 ms against 0.95 with berth's kernel
     (benchmarks/engine.py, H200)."""
     graph = captured(fn, calls)
-    best = float("inf")
-    for _ in range(rounds):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / calls)
-    return best
+    return min(replay_ms(graph) for _ in range(rounds)) / calls
 
 
 def captured(fn: Any, calls: int = 1) -> torch.cuda.CUDAGraph:
@@ -735,11 +726,17 @@ def time_in_turn(graphs: list[torch.cuda.CUDAGraph], rounds: int = 25) -> list[f
     times: list[list[float]] = [[] for _ in graphs]
     for _ in range(rounds):
         for graph, own in zip(graphs, times, strict=True):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            own.append(start.elapsed_time(end))
+            own.append(replay_ms(graph))
     return [statistics.median(own) for own in times]
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph) -> float:
+    """Milliseconds of one replay on the current stream: events around it,
+    then waited for."""
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
