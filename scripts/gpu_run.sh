@@ -8,6 +8,9 @@
 #   gpu_tests.log      pytest -m gpu (every test file that uses the marker)
 #   small_batch.log    benchmarks/small_batch.py (dependent launches against
 #                      classic ones at small batches); small_batch_h200.json
+#   step_overhead.log  benchmarks/step_overhead.py (STAGES "overhead"): a
+#                      few-token forward against the engine's graph step, per
+#                      plan; step_overhead_h200.json
 #   engine_bench.log   benchmarks/engine.py; its JSON in engine_h200.json;
 #                      smi.log: clocks, power, throttling while it ran
 #   fp8_gemm.log       benchmarks/fp8_gemm.py: FP8 against fp16 products at
@@ -74,6 +77,13 @@ if [[ " $STAGES " == *" small "* ]]; then
     > "$OUT/small_batch.log" 2>&1
   echo "small-batch benchmark: exit $?"
   grep -v "^20..-" "$OUT/small_batch.log" | tail -n 16
+fi
+
+if [[ " $STAGES " == *" overhead "* ]]; then
+  timeout 240 $PY benchmarks/step_overhead.py --out "$OUT/step_overhead_h200.json" \
+    > "$OUT/step_overhead.log" 2>&1
+  echo "step-overhead benchmark: exit $?"
+  grep -v "^20..-" "$OUT/step_overhead.log" | tail -n 12
 fi
 
 if [[ " $STAGES " == *" bench "* ]]; then
