@@ -241,16 +241,17 @@ class ModelRunner:
         # graph is launched first and the values checked while it runs (a
         # batch-1 graph starts ~3 us sooner); a batch that fails is waited
         # for, its slot freed, and its error raised as before.
+        packs = padded is not None and self.graphs.packs(padded, length)
         later = (
             padded is not None
-            and not self.graphs.packs(padded, length)
+            and not packs
             and self.forward.clamps_inputs(padded, length, None)
         )
         if not later:
             _check_values(ids, lengths, length, self.vocab)
         index, slot = self.ring.take()
         try:
-            self._enqueue(index, slot, ids, lengths, rows, length, padded)
+            self._enqueue(index, slot, ids, lengths, rows, length, padded, packs)
         except BaseException:
             slot.busy = False
             raise
@@ -272,11 +273,12 @@ class ModelRunner:
         rows: int,
         length: int,
         padded: int | None,
+        packs: bool,
     ) -> None:
         # 3. The wire bytes into pinned memory: ids, then lengths (0 for padding).
         batch = padded or rows
         packed = None
-        if padded is not None and self.graphs.packs(padded, length):
+        if padded is not None and packs:
             # the graph with the fewest tokens that holds these
             needed = packed_tokens(lengths, padded)
             packed = self.graphs.tokens_for(padded, length, needed)

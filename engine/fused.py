@@ -87,6 +87,10 @@ class Fp8Layer(NamedTuple):
 # four runs: 1.01-1.23x at 16-256 tokens (mostly 1.06-1.09x), 0.97-1.00x at
 # 512-1,024 (MiniLM 0.90-0.99x at 1,024): benchmarks/small_batch.py.
 PDL_MAX_TOKENS = 256
+# Unpacked forwards of up to this many tokens take ids straight from a mapped
+# host buffer in the embedding kernel (``reads_host``); measured at 16 and 128
+# (notes/gpu.md, session 15), where it saved the ~2 us copy kernel before it.
+HOST_READ_MAX_TOKENS = 256
 # Attention of a batch whose every row is full, with no mask: SDPA's own pick
 # for dense rows (cuDNN's or flash's batch kernel, faster than flash's varlen
 # path for any lengths) or berth's Triton kernel, whichever is faster for the
@@ -290,7 +294,7 @@ class FusedForward:
         (``clamps_inputs``), and at few tokens its programs' scattered reads
         over PCIe cost less than a copy kernel before it (a zero-copy graph's
         first kernel at batch 1)."""
-        few = batch * length <= self.pdl_max_tokens
+        few = batch * length <= HOST_READ_MAX_TOKENS
         return few and self.clamps_inputs(batch, length, tokens)
 
     def packs(self, batch: int, length: int) -> bool:
@@ -379,10 +383,10 @@ class FusedForward:
         the other, the choice at 128 tokens flipped between runs). ``run`` is
         that batch: the engine's whole graph step on its own buffers (the
         forward alone, on random ids with lengths in (L/2, L], where not
-        given). The step
-        and the forward alone can rank the plans differently: at 128 tokens
-        on the H200 the two plans' forwards tie while the preloading plan's
-        zero-copy step is ~5 % faster (notes/gpu.md, session 15). Only shapes
+        given). The step and the forward alone can rank the plans
+        differently: at 128 tokens on the H200 the two plans' forwards tie
+        while the preloading plan's zero-copy step is ~5 % faster
+        (notes/gpu.md, session 15). Only shapes
         ``preload_eligible`` are timed; call it after ``choose_attention``.
         A preloading forward that fails to run is logged and the shape keeps
         the other plan."""

@@ -5,8 +5,8 @@
   e4m3 input;
 - ``quantize_e4m3``: act(x) / scale as e4m3, one pass (an FP8 product's
   input where its producer cannot write e4m3 itself);
-- ``embed_layer_norm``: word + position + type-0 embeddings, then LayerNorm
-  (``embed_with_lengths``: copying the rows' lengths too);
+- ``embed_with_lengths``: word + position + type-0 embeddings, then
+  LayerNorm, and the rows' lengths copied (``embed_packed``: rows packed);
 - ``mean_pool``: the float32 mean of each row's real tokens;
 - ``attention``: softmax(QK^T / sqrt(d)) V straight from the fused QKV
   projection, keys cut at each row's length, key blocks past it skipped;
@@ -95,8 +95,7 @@ if triton is not None:
     def _chain(GDC: tl.constexpr):  # type: ignore[no-untyped-def]
         # Before a kernel reads what any kernel writes: wait for the previous
         # kernel's writes, then let the next kernel launch (no-ops without
-        # dependent launch). Only the preloading linear reads (its weights)
-        # before it.
+        # dependent launch). Kernels read only model weights before it.
         if GDC:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -173,17 +172,16 @@ if triton is not None:
 
     @triton.jit
     def _embed_layer_norm_kernel(  # type: ignore[no-untyped-def]
-        ids_ptr, len_ptr, start_ptr, word_ptr, pos_ptr, type_ptr, w_ptr, b_ptr,
-        out_ptr, len_out_ptr, length, n_rows, n_cols, vocab, eps,
-        BLOCK: tl.constexpr, PACKED: tl.constexpr, COPY_LENGTHS: tl.constexpr,
-        GDC: tl.constexpr,
+        ids_ptr, len_ptr, side_ptr, word_ptr, pos_ptr, type_ptr, w_ptr, b_ptr,
+        out_ptr, length, n_rows, n_cols, vocab, eps,
+        BLOCK: tl.constexpr, PACKED: tl.constexpr, GDC: tl.constexpr,
     ):  # fmt: skip
-        # Program p: token p % L of row p // L. Padded: stored at p. PACKED:
-        # stored at its row's start + p % L when inside the row (lengths >= 1
-        # here), nothing otherwise. COPY_LENGTHS (padded): program p < B also
-        # copies row p's length to len_out, clamped to [0, L]. Ids are clamped
-        # to [0, vocab): no input makes this kernel read outside the table
-        # (the engine may check a batch's values after launching it).
+        # Program p: token p % L of row p // L. PACKED: stored at its row's
+        # start (side_ptr: the starts) + p % L when inside the row (lengths
+        # >= 1 here), nothing otherwise. Padded: stored at p, and program
+        # p < B copies row p's length, clamped to [0, L], to side_ptr. Ids are
+        # clamped to [0, vocab): no input makes this kernel read outside the
+        # table (the engine may check a batch's values after launching it).
         pid = tl.program_id(0)
         position = pid % length
         cols = tl.arange(0, BLOCK)
@@ -192,16 +190,16 @@ if triton is not None:
         x = _row_weights(pos_ptr + position * n_cols, cols, n_cols)[None, :]
         x += _row_weights(type_ptr, cols, n_cols)[None, :]
         _chain(GDC)
-        if COPY_LENGTHS:  # noqa: SIM102 (a compile-time branch, then a runtime one)
+        if not PACKED:  # noqa: SIM102 (a compile-time branch, then a runtime one)
             if pid < n_rows:
                 used = tl.minimum(tl.maximum(tl.load(len_ptr + pid), 0), length)
-                tl.store(len_out_ptr + pid, used)
+                tl.store(side_ptr + pid, used)
         at = pid.to(tl.int64)
         if PACKED:
             row = pid // length
             if position >= tl.load(len_ptr + row):
                 return
-            at = tl.load(start_ptr + row).to(tl.int64) + position
+            at = tl.load(side_ptr + row).to(tl.int64) + position
         token = tl.load(ids_ptr + pid.to(tl.int64)).to(tl.int64)
         token = tl.minimum(tl.maximum(token, 0), vocab - 1)
         word = tl.load(word_ptr + token * n_cols + cols[None, :], mask=keep, other=0.0)
@@ -492,27 +490,20 @@ def to_e4m3(x: torch.Tensor, inv_scale: torch.Tensor | float) -> torch.Tensor:
     return scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
-def embed_layer_norm(
-    emb: Embeddings, ids: torch.Tensor, pdl: bool = False
-) -> torch.Tensor:
-    """[B*L, H]: the embeddings module's output for ids [B, L], flattened."""
-    if not use_triton(emb.word.weight):
-        return emb(ids).flatten(0, 1)
-    return _embed(emb, ids, None, _embed_out(emb, ids.numel(), ids.device), pdl)
-
-
 def embed_with_lengths(
     emb: Embeddings, ids: torch.Tensor, lengths: torch.Tensor, pdl: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``embed_layer_norm``'s rows, and a copy of lengths [B] in new device
-    memory, written by the same kernel: ids and lengths may live in a
-    device-mapped host buffer (a zero-copy graph's input), read once over
-    PCIe by this kernel and never again, with no copy kernel before it."""
+    """([B*L, H]: the embeddings module's output for ids [B, L], flattened;
+    lengths [B] copied into new device memory, clamped to [0, L]), from one
+    kernel: ids and lengths may live in a device-mapped host buffer (a
+    zero-copy graph's input), read once over PCIe by this kernel and never
+    again, with no copy kernel before it."""
     if not use_triton(emb.word.weight):
         return emb(ids).flatten(0, 1), lengths
     out = _embed_out(emb, ids.numel(), ids.device)
     copied = torch.empty_like(lengths)
-    return _embed(emb, ids, None, out, pdl, (lengths, copied)), copied
+    _embed(emb, ids, lengths, out, pdl, copied=copied)
+    return out, copied
 
 
 def _embed_out(emb: Embeddings, tokens: int, device: torch.device) -> torch.Tensor:
@@ -539,34 +530,32 @@ def embed_packed(
         where = (starts[:-1, None].long() + at[None, :]).flatten()[inside]
         out[where] = padded[inside]
         return out
-    return _embed(emb, ids, (lengths, starts), out, pdl)
+    _embed(emb, ids, lengths, out, pdl, starts=starts)
+    return out
 
 
 def _embed(
     emb: Embeddings,
     ids: torch.Tensor,
-    packed: tuple[torch.Tensor, torch.Tensor] | None,
+    lengths: torch.Tensor,
     out: torch.Tensor,
     pdl: bool,
-    copy: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """The embeddings kernel over ids [B, L] into out: padded, or packed from
-    (lengths, starts); padded with ``copy`` = (lengths, into), lengths copied
-    too."""
-    lengths, starts = packed or (ids, ids)  # padded: the kernel reads neither
-    if copy is not None:
-        lengths = copy[0]
-    copied = copy[1] if copy is not None else ids
+    starts: torch.Tensor | None = None,
+    copied: torch.Tensor | None = None,
+) -> None:
+    """The embeddings kernel over ids [B, L] into out: packed from lengths
+    and ``starts``, or padded, lengths clamped into ``copied``."""
+    side = starts if starts is not None else copied
+    if side is None:
+        raise ValueError("packed rows need their starts, padded ones a lengths copy")
     cols = emb.word.weight.shape[1]
     block = triton.next_power_of_2(cols)
     _embed_layer_norm_kernel[(ids.numel(),)](
-        ids, lengths, starts, emb.word.weight, emb.position.weight[emb.offset :],
-        emb.token_type, emb.norm.weight, emb.norm.bias, out, copied, ids.shape[1],
+        ids, lengths, side, emb.word.weight, emb.position.weight[emb.offset :],
+        emb.token_type, emb.norm.weight, emb.norm.bias, out, ids.shape[1],
         ids.shape[0], cols, emb.word.weight.shape[0], emb.norm.eps, BLOCK=block,
-        num_warps=_warps(block),
-        PACKED=packed is not None, COPY_LENGTHS=copy is not None, **_launch(pdl),
+        num_warps=_warps(block), PACKED=starts is not None, **_launch(pdl),
     )  # fmt: skip
-    return out
 
 
 def mean_pool(
