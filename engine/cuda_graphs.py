@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import gc
+import itertools
 import logging
 import threading
 import time
@@ -239,23 +240,45 @@ class GraphCache:
         for torch's stream context and replay, H200 host); torch's replay
         where cuda-python is missing or another device is current."""
         captured = self._graphs[(buffer, batch, length, tokens)]
-        runtime = _RUNTIME
         if (
-            runtime is None
-            or captured.executable is None
+            captured.executable is None
             or torch.cuda.current_device() != stream.device_index
         ):
             with torch.cuda.stream(stream):
                 captured.graph.replay()
             return captured.output
-        (err,) = runtime.cudaGraphLaunch(captured.executable, stream.cuda_stream)
-        if err != runtime.cudaError_t.cudaSuccess:
-            raise RuntimeError(f"cudaGraphLaunch failed: {err}")
+        launch_graph(captured.executable, stream.cuda_stream)
         return captured.output
+
+    def executables(self, batch: int, length: int) -> tuple[int, ...] | None:
+        """The cudaGraphExec_t of an unpacked shape's graph on each buffer, in
+        buffer order, for ``launch_graph``; None where one is missing (no
+        cuda-python, another torch build, or the shape not captured)."""
+        found = []
+        for buffer in itertools.count():
+            captured = self._graphs.get((buffer, batch, length, None))
+            if captured is None:
+                break
+            if captured.executable is None:
+                return None
+            found.append(captured.executable)
+        return tuple(found) or None
 
     def outputs(self) -> list[torch.Tensor]:
         """Every graph's static output (tests poison them)."""
         return [captured.output for captured in self._graphs.values()]
+
+
+def launch_graph(executable: int, stream: int) -> None:
+    """cudaGraphLaunch of a ``GraphCache.executables`` handle on a raw stream
+    handle (torch's ``stream.cuda_stream``), through cuda-python; the
+    calling thread's current device must be the stream's."""
+    runtime = _RUNTIME
+    if runtime is None:  # no executable is found without it
+        raise RuntimeError("launch_graph needs cuda-python")
+    (err,) = runtime.cudaGraphLaunch(executable, stream)
+    if err != runtime.cudaError_t.cudaSuccess:
+        raise RuntimeError(f"cudaGraphLaunch failed: {err}")
 
 
 def _executable(graph: torch.cuda.CUDAGraph) -> int | None:

@@ -347,6 +347,27 @@ def test_graphs_launch_through_cuda_python(backend: CudaBackend) -> None:
     np.testing.assert_array_equal(replayed, launched)
 
 
+def test_direct_submits_equal_the_general_way(backend: CudaBackend) -> None:
+    """Unpacked zero-copy shapes take the Direct way (their graph's handles
+    and output views found once per request shape); their outputs, padding
+    rows included, equal the general way's bit for bit. Packed shapes take
+    the general way."""
+    runner = backend.runner("minilm")
+    shapes = [(1, 16), (3, 16), (8, 64)]
+    batches = {s: random_batch(*s, runner.vocab, seed=7) for s in shapes}
+    direct = {s: backend.run("minilm", *batches[s]) for s in shapes}
+    assert all(runner._direct[s] is not None for s in shapes)
+    backend.run("minilm", *random_batch(128, 128, runner.vocab, seed=7))
+    assert runner._direct[(128, 128)] is None
+    runner._direct.update(dict.fromkeys(shapes))  # None: the general way
+    try:
+        for shape in shapes:
+            general = backend.run("minilm", *batches[shape])
+            np.testing.assert_array_equal(general, direct[shape])
+    finally:
+        runner._direct.clear()
+
+
 @pytest.mark.parametrize(
     ("option", "floor"),
     [({"input_mode": "zero-copy"}, 0.999), ({"input_mode": "staging"}, 0.999),
