@@ -31,6 +31,7 @@ separate pass); so does a token count that has no algorithm
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 from pathlib import Path
@@ -103,6 +104,8 @@ _SIGNATURES: dict[str, list[type]] = {
     "cublasLtMatmulPreferenceCreate": [_P],
     "cublasLtMatmulPreferenceSetAttribute": [_P, _INT, _P, _SIZE],
     "cublasLtMatmulPreferenceDestroy": [_P],
+    "cublasLtMatmulDescDestroy": [_P],
+    "cublasLtMatrixLayoutDestroy": [_P],
     # handle, op, A, B, C, D layouts, preference, count, results, found
     "cublasLtMatmulAlgoGetHeuristic": [_P] * 7 + [_INT, _P, _P],
     # handle, op, alpha, A, A layout, B, B layout, beta, C, C layout, D,
@@ -204,6 +207,9 @@ class Fp8EpilogueGemm:
         self.out_dtype = torch.float16 if out_inv_scale is None else torch.float8_e4m3fn
         self.d_type = CUDA_R_16F if out_inv_scale is None else CUDA_R_8F_E4M3
         self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        self.plans: dict[int, Plan] = {}
+        self.a_layout: ctypes.c_void_p | None = None
+        self.desc: ctypes.c_void_p | None = None
         lib, desc = self.lib, ctypes.c_void_p()
         lib.call(
             "cublasLtMatmulDescCreate",
@@ -211,6 +217,7 @@ class Fp8EpilogueGemm:
             CUBLAS_COMPUTE_32F,
             CUDA_R_32F,
         )
+        self.desc = desc  # from here on close() destroys it
         # Column-major, as cuBLAS sees row-major tensors: D^T [N, M] = W [N, K]
         # . X^T [K, M], i.e. A = the weight, transposed (FP8 wants "TN").
         _set(lib, desc, DESC_TRANSA, ctypes.c_int32(OP_T))
@@ -224,11 +231,30 @@ class Fp8EpilogueGemm:
             out_scale = ctypes.c_void_p(out_inv_scale.data_ptr())
             _set(lib, desc, DESC_D_SCALE_POINTER, out_scale)
         _set(lib, desc, DESC_FAST_ACCUM, ctypes.c_int8(1))
-        self.desc = desc
         self.a_layout = self._layout(CUDA_R_8F_E4M3, self.k, self.n, self.k)
-        self.plans: dict[int, Plan] = {}
         self.refused: set[int] = set()  # token counts with no algorithm
         self.plan(16)  # fails here, at load, where cuBLASLt has no algorithm
+
+    def close(self) -> None:
+        """Destroy the descriptor and every layout this product made (once;
+        also when it is collected, or when its constructor fails). Graphs
+        captured with it keep working: cuBLASLt reads descriptors only while
+        it enqueues a product."""
+        layouts = [self.a_layout]
+        for plan in self.plans.values():
+            layouts += [plan.x, plan.c, plan.d]
+        self.plans, self.a_layout = {}, None
+        desc, self.desc = self.desc, None
+        for layout in layouts:
+            if layout is not None:
+                self.lib.call("cublasLtMatrixLayoutDestroy", layout)
+        if desc is not None:
+            self.lib.call("cublasLtMatmulDescDestroy", desc)
+
+    def __del__(self) -> None:
+        if hasattr(self, "desc"):  # past the checks at the constructor's top
+            with contextlib.suppress(CublasLtError, AttributeError):
+                self.close()
 
     def _layout(self, dtype: int, rows: int, cols: int, ld: int) -> ctypes.c_void_p:
         layout = ctypes.c_void_p()
@@ -245,11 +271,26 @@ class Fp8EpilogueGemm:
         or its first candidate while a graph is being captured."""
         if m in self.plans:
             return self.plans[m]
+        if self.desc is None:
+            raise CublasLtError("this product was closed")
         b = self._layout(CUDA_R_8F_E4M3, self.k, m, self.k)
         # No C (beta = 0, the pointer NULL), but its layout: cuBLASLt wants the
         # bias's type there when D is e4m3.
         c = self._layout(CUDA_R_16F, self.n, m, self.n)
         d = self._layout(self.d_type, self.n, m, self.n)
+        try:
+            found = self._algorithm(m, b, c, d)
+        except BaseException:  # no plan holds them: destroyed here
+            for layout in (b, c, d):
+                self.lib.call("cublasLtMatrixLayoutDestroy", layout)
+            raise
+        self.plans[m] = Plan(b, c, d, found)
+        return self.plans[m]
+
+    def _algorithm(
+        self, m: int, b: ctypes.c_void_p, c: ctypes.c_void_p, d: ctypes.c_void_p
+    ) -> _Heuristic:
+        """``plan``'s algorithm for m tokens on these layouts."""
         pref = ctypes.c_void_p()
         self.lib.call("cublasLtMatmulPreferenceCreate", ctypes.byref(pref))
         size = ctypes.c_uint64(WORKSPACE_BYTES)
@@ -280,8 +321,7 @@ class Fp8EpilogueGemm:
                     found = candidates[0]
                 else:
                     found = _tuned[key] = self._fastest(m, candidates, b, c, d)
-        self.plans[m] = Plan(b, c, d, found)
-        return self.plans[m]
+        return found
 
     def _fastest(
         self,

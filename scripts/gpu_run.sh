@@ -31,7 +31,8 @@
 #                      LATENCY_LAYOUTS, e.g. "8:2:inline", picks layouts)
 # STAGES picks stages (default "tests small bench quant"; "e2e" and "latency" run
 # the stack);
-# BENCH_ARGS goes to benchmarks/engine.py (e.g. "--quick --models bert-base").
+# BENCH_ARGS goes to benchmarks/engine.py (e.g. "--quick --models bert-base");
+# GPU_TESTS_K picks gpu tests by pytest's -k (e.g. "cublaslt or direct").
 #
 # Carried, because the device machine reaches no registry:
 #   .whl/             cp312 wheels of grpcio>=1.85.1 (our stubs need it; the
@@ -66,6 +67,7 @@ tail -n 3 "$OUT/setup.log"
 if [[ " $STAGES " == *" tests "* ]]; then
   files=$(grep -rl "pytest.mark.gpu" tests --include='*.py' | sort)
   timeout 300 $PY -m pytest -m gpu -p no:cacheprovider -q -rA $files \
+    ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} \
     > "$OUT/gpu_tests.log" 2>&1
   echo "gpu tests: exit $?"
   grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|cosine|top-1|utilization" \
