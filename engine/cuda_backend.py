@@ -291,11 +291,7 @@ class ModelRunner:
             raise
         ticket = Ticket(slot, rows, self.width)
         if later:
-            try:
-                _check_values(ids, lengths, length, self.vocab)
-            except ValueError:
-                collect(ticket)  # computed on clamped values: discarded
-                raise
+            return _checked_while_running(ticket, ids, lengths, length, self.vocab)
         return ticket
 
     def _direct_for(self, rows: int, length: int) -> Direct | None:
@@ -345,12 +341,7 @@ class ModelRunner:
             raise
         events[3].record(self.stream)
         ticket = Ticket(slot, rows, self.width, direct.outputs[index])
-        try:
-            _check_values(ids, lengths, length, self.vocab)
-        except ValueError:
-            collect(ticket)  # computed on clamped values: discarded
-            raise
-        return ticket
+        return _checked_while_running(ticket, ids, lengths, length, self.vocab)
 
     def _enqueue(
         self,
@@ -418,6 +409,20 @@ def collect(ticket: Ticket) -> tuple[np.ndarray, Times]:
     return slot.out[: ticket.rows * ticket.width].reshape(
         ticket.rows, ticket.width
     ), times
+
+
+def _checked_while_running(
+    ticket: Ticket, ids: np.ndarray, lengths: np.ndarray, length: int, vocab: int
+) -> Ticket:
+    """The ticket of a launched batch whose graph clamps its inputs, once its
+    values pass ``_check_values`` (checked while the GPU computes); a batch
+    that fails is waited for, its slot freed, and its ValueError raised."""
+    try:
+        _check_values(ids, lengths, length, vocab)
+    except ValueError:
+        collect(ticket)  # computed on clamped values: discarded
+        raise
+    return ticket
 
 
 def _check_values(
