@@ -20,10 +20,13 @@ torch on any device. Settings from the environment:
 - ``BERTH_PRELOAD=0``: few-token shapes keep kernels.SMALL_LINEAR's GEMMs,
   never timing PRELOAD_LINEAR's against them (engine/fused.py).
 
-One batch: validate and write the wire bytes into a pinned slot, pad to the
-next captured batch size, enqueue (copy in, replay, copy out) on the
-engine's stream, wait. ``submit``/``collect`` split that in two, so a caller
-may fill the next slot while the GPU runs this one.
+One batch: write the wire bytes into a pinned slot, pad to the next
+captured batch size, enqueue (copy in, replay, copy out) on the engine's
+stream, wait. Its values are validated before the launch, or, where the
+graph's embedding kernel clamps them (unpacked shapes), while it runs; such
+shapes in zero-copy mode take the Direct way, their graph handles and output
+views looked up once per request shape. ``submit``/``collect`` split that in
+two, so a caller may fill the next slot while the GPU runs this one.
 """
 
 from __future__ import annotations
