@@ -588,10 +588,19 @@ class FusedForward:
         norm: nn.LayerNorm,
         tiles: kernels.LinearConfig | None,
     ) -> torch.Tensor:
-        """LayerNorm(x W^T + b + residual)."""
+        """LayerNorm(x W^T + b + residual). ``residual`` may be overwritten:
+        the layer reads it no more."""
         pdl = self._dependent(len(x))
         if not isinstance(linear, nn.Linear):  # a quantized layer (FP8)
             out = linear(x)
+        elif tiles is None and kernels.use_triton(x):
+            # cuBLAS adds the residual (beta = 1, in place) and the LayerNorm
+            # reads one tensor, not two: 1-2.6 % of a packed 64-256 x 64-128
+            # batch on the H200 (notes/gpu.md, session 17).
+            residual.addmm_(x, linear.weight.t())
+            return add_layer_norm_partials(
+                None, linear.bias, residual, norm.weight, norm.bias, self.eps, pdl
+            )
         elif tiles is None:
             out = F.linear(x, linear.weight, linear.bias)
         elif tiles.split > 1:  # float32 partials, summed by the LayerNorm kernel

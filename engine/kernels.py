@@ -359,13 +359,25 @@ if triton is not None:
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_in = rows[:, None] < M
         x_at = x_ptr + rows[:, None].to(tl.int64) * K + (first + inner)[None, :]
-        acc = tl.dot(tl.load(x_at, mask=row_in, other=0.0), w0)
+        # x chunk c + 1 is loaded before chunk c's product, so its read is in
+        # flight while that product runs; in the order of the source, the
+        # compiler waits for each product before the next load (all chunks
+        # ahead would need their shared memory at once: over the H200's 227
+        # KB for 128 x 768 tokens).
+        a0 = tl.load(x_at, mask=row_in, other=0.0)
         if CHUNKS > 1:
-            acc = tl.dot(tl.load(x_at + CHUNK, mask=row_in, other=0.0), w1, acc)
+            a1 = tl.load(x_at + CHUNK, mask=row_in, other=0.0)
+        acc = tl.dot(a0, w0)
         if CHUNKS > 2:
-            acc = tl.dot(tl.load(x_at + 2 * CHUNK, mask=row_in, other=0.0), w2, acc)
+            a2 = tl.load(x_at + 2 * CHUNK, mask=row_in, other=0.0)
+        if CHUNKS > 1:
+            acc = tl.dot(a1, w1, acc)
         if CHUNKS > 3:
-            acc = tl.dot(tl.load(x_at + 3 * CHUNK, mask=row_in, other=0.0), w3, acc)
+            a3 = tl.load(x_at + 3 * CHUNK, mask=row_in, other=0.0)
+        if CHUNKS > 2:
+            acc = tl.dot(a2, w2, acc)
+        if CHUNKS > 3:
+            acc = tl.dot(a3, w3, acc)
         _linear_store(acc, rows, cols, bias, out_ptr, M, N, ACT, SPLIT)
 
     @triton.jit
@@ -746,7 +758,7 @@ def linear(
 
 
 def add_layer_norm_partials(
-    partials: torch.Tensor,
+    partials: torch.Tensor | None,
     bias: torch.Tensor,
     residual: torch.Tensor,
     weight: torch.Tensor,
@@ -755,7 +767,12 @@ def add_layer_norm_partials(
     pdl: bool = False,
 ) -> torch.Tensor:
     """LayerNorm(sum(partials) + bias + residual): the end of a split-K linear
-    [split, M, N] float32, the residual [M, N], out in the residual's dtype."""
+    [split, M, N] float32, the residual [M, N], out in the residual's dtype.
+
+    ``partials`` None: LayerNorm(residual + bias), for a product that has
+    added the residual itself (cuBLAS with beta = 1)."""
+    if partials is None:
+        partials = residual.new_empty((0, *residual.shape), dtype=torch.float32)
     if not use_triton(residual):
         x = partials.sum(0) + bias.float() + residual.float()
         y = F.layer_norm(x, x.shape[-1:], weight.float(), ln_bias.float(), eps)
@@ -847,11 +864,23 @@ _BERT_BASE_IN = [  # QKV and FFN-in
     (64, 32, 256, 1, 4),
     (128, 32, 256, 1, 8),
 ]
-_BLOCK_M = (16, 32, 64, 64)  # attention-out, and every MiniLM projection
+_BLOCK_M = (16, 32, 64, 64)  # every MiniLM projection
 PRELOAD_LINEAR: dict[tuple[str, int], list[tuple[int, LinearConfig]]] = {
     ("qkv", 768): _preloaded(_BERT_BASE_IN),
     ("ffn_in", 768): _preloaded(_BERT_BASE_IN),
-    ("out", 768): _preloaded([(bm, 32, 128, 2, 4) for bm in _BLOCK_M]),
+    # 64 columns a program, K in 4 slices of 64-wide chunks up to 64 tokens
+    # and 2 of 128 at 128: with x read one chunk ahead (session 17's probes,
+    # whole forwards in turn) 1 x 16-64 ran 0.4-1.3 % faster than with 32
+    # columns, and 1 x 128 and 8 x 16 3.4-4.6 % (those two lost 0.5-1 % with
+    # 4 slices); on the earlier kernel every other tile was slower.
+    ("out", 768): _preloaded(
+        [
+            (16, 64, 64, 4, 4),
+            (32, 64, 64, 4, 4),
+            (64, 64, 64, 4, 4),
+            (64, 64, 128, 2, 4),
+        ]
+    ),
     ("ffn_out", 768): _preloaded(
         [
             (16, 64, 256, 6, 8),
