@@ -53,8 +53,11 @@ try:
 except ImportError:  # the CPU build of torch comes without Triton
     triton = None
 
-# Rows per add + LayerNorm program on large batches (benchmarks/engine.py probes).
-LN_ROWS = 4
+# Rows per LayerNorm program on large batches, one warp each. H200, 16384 x
+# 768 with the residual added (session 17's probe, CUDA graphs): 2 rows on
+# 2 warps 14.0 us, 4 on 4 14.5, against 19.5 for 4 rows on 8 warps (the
+# rule before) and 12.7 for a plain copy of the rows.
+LN_ROWS = 2
 # float8_e4m3fn's largest finite value.
 E4M3_MAX = 448.0
 
@@ -70,6 +73,15 @@ def use_triton(x: torch.Tensor) -> bool:
 
 def _warps(elements: int) -> int:
     return max(1, min(8, elements // 256))
+
+
+def _layer_norm_tiles(rows: int, block: int, per: int | None = None) -> tuple[int, int]:
+    """(rows per program, warps) of a LayerNorm kernel over ``rows`` rows of
+    ``block`` columns: one row on block / 256 warps at few rows (the batch-1
+    chain's best, session 15), LN_ROWS rows (or ``per``) on a warp each on
+    large batches."""
+    per = per or (LN_ROWS if rows >= 2048 else 1)
+    return per, per if per > 1 else _warps(block)
 
 
 def pdl_available(x: torch.Tensor) -> bool:
@@ -454,13 +466,13 @@ def _add_layer_norm(
     pdl: bool,
 ) -> None:
     rows, cols = x.shape
-    per = rows_per_program or (LN_ROWS if rows >= 2048 else 1)
     block = triton.next_power_of_2(cols)
+    per, warps = _layer_norm_tiles(rows, block, rows_per_program)
     out8, inv = quant if quant is not None else (out, bias)  # unread without QUANT
     _add_layer_norm_kernel[(triton.cdiv(rows, per),)](
         x, residual, weight, bias, out, out8, inv, rows, cols, eps,
         ROWS=per, BLOCK=block, QUANT=quant is not None,
-        num_warps=_warps(per * block), **_launch(pdl),
+        num_warps=warps, **_launch(pdl),
     )  # fmt: skip
 
 
@@ -778,13 +790,12 @@ def add_layer_norm_partials(
         y = F.layer_norm(x, x.shape[-1:], weight.float(), ln_bias.float(), eps)
         return y.to(residual.dtype)
     split, rows, cols = partials.shape
-    per = LN_ROWS if rows >= 2048 else 1
     out = torch.empty_like(residual)
     block = triton.next_power_of_2(cols)
+    per, warps = _layer_norm_tiles(rows, block)
     _partials_layer_norm_kernel[(triton.cdiv(rows, per),)](
         partials, bias, residual, weight, ln_bias, out, rows, cols, eps,
-        SPLIT=split, ROWS=per, BLOCK=block, num_warps=_warps(per * block),
-        **_launch(pdl),
+        SPLIT=split, ROWS=per, BLOCK=block, num_warps=warps, **_launch(pdl),
     )  # fmt: skip
     return out
 
