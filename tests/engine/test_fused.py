@@ -24,6 +24,7 @@ from engine.fused import FusedForward
 from engine.kernels import (
     PRELOAD_LINEAR,
     LinearConfig,
+    add_layer_norm_partials,
     attention,
     mean_pool,
     small_linear_plan,
@@ -202,6 +203,25 @@ def test_attention_reads_an_empty_row_as_one_token() -> None:
     one = attention(qkv, torch.tensor([8, 1, 5], dtype=torch.int32), 3, 8, 2)
     assert torch.isfinite(empty).all()
     torch.testing.assert_close(empty, one)
+
+
+def test_layer_norm_of_partials_takes_no_partials() -> None:
+    """A product that added the residual itself (cuBLAS with beta = 1, the
+    large-batch layers) leaves LayerNorm(residual + bias) to finish."""
+    import torch.nn.functional as F
+
+    generator = torch.Generator().manual_seed(11)
+    residual = torch.randn(5, 24, generator=generator)
+    bias, weight, ln_bias = torch.randn(3, 24, generator=generator)
+    want = F.layer_norm(residual + bias, (24,), weight, ln_bias, 1e-12)
+    got = add_layer_norm_partials(None, bias, residual, weight, ln_bias, 1e-12)
+    torch.testing.assert_close(got, want)
+    parts = torch.randn(2, 5, 24, generator=generator)
+    summed = add_layer_norm_partials(parts, bias, residual, weight, ln_bias, 1e-12)
+    torch.testing.assert_close(
+        summed,
+        F.layer_norm(parts.sum(0) + residual + bias, (24,), weight, ln_bias, 1e-12),
+    )
 
 
 def test_mean_pool_writes_into_the_buffer_it_is_given() -> None:

@@ -428,16 +428,21 @@ def test_preloading_linear_matches_torch() -> None:
 def test_fused_kernels_match_torch() -> None:
     import torch.nn.functional as F
 
-    from engine.kernels import add_layer_norm, mean_pool
+    from engine.kernels import add_layer_norm, add_layer_norm_partials, mean_pool
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    for rows, cols in [(1, 384), (4096, 768), (333, 1024)]:
+    # Both sides of LN_ROWS's 2,048-row threshold, an odd row count past it.
+    for rows, cols in [(1, 384), (4096, 768), (333, 1024), (2049, 768)]:
         x, r = (
             torch.randn(rows, cols, device="cuda", generator=g).half() for _ in "xr"
         )
         w, b = (torch.randn(cols, device="cuda", generator=g).half() for _ in "wb")
         got = add_layer_norm(x, r, w, b, 1e-12).float()
         want = F.layer_norm(x.float() + r.float(), (cols,), w.float(), b.float(), 1e-12)
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+        # The residual already added (cuBLAS's beta = 1): LayerNorm(x + bias).
+        got = add_layer_norm_partials(None, b, x, w, b, 1e-12).float()
+        want = F.layer_norm(x.float() + b.float(), (cols,), w.float(), b.float(), 1e-12)
         torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
     hidden = torch.randn(7, 128, 384, device="cuda", generator=g).half()
     lengths = torch.tensor([128, 0, 1, 64, 127, 3, 100], device="cuda")
