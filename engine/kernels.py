@@ -372,10 +372,10 @@ if triton is not None:
         row_in = rows[:, None] < M
         x_at = x_ptr + rows[:, None].to(tl.int64) * K + (first + inner)[None, :]
         # x chunk c + 1 is loaded before chunk c's product, so its read is in
-        # flight while that product runs; in the order of the source, the
-        # compiler waits for each product before the next load (all chunks
-        # ahead would need their shared memory at once: over the H200's 227
-        # KB for 128 x 768 tokens).
+        # flight while that product runs. Triton keeps the source's order and
+        # waits for a product before any load written after it. Every chunk
+        # loaded first would hold them all in shared memory at once: over the
+        # H200's 227 KB with 128 x 32 tiles over K = 768.
         a0 = tl.load(x_at, mask=row_in, other=0.0)
         if CHUNKS > 1:
             a1 = tl.load(x_at + CHUNK, mask=row_in, other=0.0)
@@ -880,10 +880,10 @@ PRELOAD_LINEAR: dict[tuple[str, int], list[tuple[int, LinearConfig]]] = {
     ("qkv", 768): _preloaded(_BERT_BASE_IN),
     ("ffn_in", 768): _preloaded(_BERT_BASE_IN),
     # 64 columns a program, K in 4 slices of 64-wide chunks up to 64 tokens
-    # and 2 of 128 at 128: with x read one chunk ahead (session 17's probes,
-    # whole forwards in turn) 1 x 16-64 ran 0.4-1.3 % faster than with 32
-    # columns, and 1 x 128 and 8 x 16 3.4-4.6 % (those two lost 0.5-1 % with
-    # 4 slices); on the earlier kernel every other tile was slower.
+    # and 2 of 128 at 128. With x read one chunk ahead (session 17's probes,
+    # whole forwards in turn, against 32 columns in 2 slices of 128): 1 x 16
+    # to 1 x 64 0.4-1.4 % faster, 1 x 128 and 8 x 16 2.9-4.6 % (4 slices gave
+    # those two 0.2-1.2 %). With the earlier kernel every change was slower.
     ("out", 768): _preloaded(
         [
             (16, 64, 64, 4, 4),
