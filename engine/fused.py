@@ -566,6 +566,12 @@ class FusedForward:
             inner, layer.ffn_out, x, layer.norm2, plan.get("ffn_out")
         )
 
+    def forget_plans(self) -> None:
+        """Drop the GEMM plans made so far, so the next forward reads
+        kernels.SMALL_LINEAR and PRELOAD_LINEAR again (a tile search:
+        benchmarks/preload_tiles.py). Graphs captured keep their plans."""
+        self._plans.clear()
+
     def _plan(
         self, tokens: int, preload: bool = False
     ) -> dict[str, kernels.LinearConfig]:

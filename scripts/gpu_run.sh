@@ -8,6 +8,9 @@
 #   gpu_tests.log      pytest -m gpu (every test file that uses the marker)
 #   small_batch.log    benchmarks/small_batch.py (dependent launches against
 #                      classic ones at small batches); small_batch_h200.json
+#   preload_tiles.log  benchmarks/preload_tiles.py (STAGES "tiles"): each
+#                      PRELOAD_LINEAR tile's neighbours in whole few-token
+#                      forwards; preload_tiles_h200.json
 #   step_overhead.log  benchmarks/step_overhead.py (STAGES "overhead"): a
 #                      few-token forward against the engine's graph step, per
 #                      plan; step_overhead_h200.json
@@ -72,6 +75,13 @@ if [[ " $STAGES " == *" tests "* ]]; then
   echo "gpu tests: exit $?"
   grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|cosine|top-1|utilization" \
     "$OUT/gpu_tests.log" | tail -n 40
+fi
+
+if [[ " $STAGES " == *" tiles "* ]]; then
+  timeout 300 $PY benchmarks/preload_tiles.py --out "$OUT/preload_tiles_h200.json" \
+    > "$OUT/preload_tiles.log" 2>&1
+  echo "preload tiles: exit $?"
+  grep -A4 "^variant" "$OUT/preload_tiles.log" | head -n 40
 fi
 
 if [[ " $STAGES " == *" small "* ]]; then

@@ -1,0 +1,45 @@
+"""benchmarks/preload_tiles.py's neighbours: only tiles the kernel can run."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.preload_tiles import SHARED_BYTES, neighbours, shared_bytes
+from engine.kernels import PRELOAD_CHUNKS, PRELOAD_LINEAR, LinearConfig
+
+
+def test_shared_bytes_match_what_the_compiler_asked() -> None:
+    """Triton 3.6 for sm_90a (notes/gpu.md, session 17): QKV's 128 x 32 tile
+    at 128 tokens 180,224 bytes; FFN-out on 128 columns 262,144 (refused)."""
+    assert shared_bytes(LinearConfig(128, 32, 256, 1, 8, preload=True), 768) == 180224
+    ffn_out = LinearConfig(128, 128, 256, 6, 8, preload=True)
+    assert shared_bytes(ffn_out, 3072) == 262144 > SHARED_BYTES
+
+
+@pytest.mark.parametrize("hidden", [384, 768])
+@pytest.mark.parametrize("projection", ["qkv", "out", "ffn_in", "ffn_out"])
+def test_neighbours_fit_and_differ(projection: str, hidden: int) -> None:
+    k = 4 * hidden if projection == "ffn_out" else hidden
+    for limit, config in PRELOAD_LINEAR[(projection, hidden)]:
+        found = neighbours(config, projection, k, limit)
+        assert found, (projection, hidden, limit)
+        for name, tile in found.items():
+            assert tile != config, name
+            assert tile.fits(k), name
+            assert k // tile.split // tile.block_k <= PRELOAD_CHUNKS, name
+            assert shared_bytes(tile, k) <= SHARED_BYTES, name
+            assert tile.block_m <= max(16, limit), name
+            assert tile.warps in (4, 8), name
+            if projection in ("qkv", "ffn_in"):
+                assert tile.split == 1, name
+
+
+def test_neighbours_include_the_tiles_session_17_found() -> None:
+    """Attention-out's 64 columns at 128 tokens, and its 4 slices of 64-wide
+    chunks at 16, are one step from the tiles shipped before them."""
+    before_128 = LinearConfig(64, 32, 128, 2, 4, preload=True)
+    found = neighbours(before_128, "out", 768, 128).values()
+    assert LinearConfig(64, 64, 128, 2, 4, preload=True) in found
+    before_16 = LinearConfig(16, 32, 128, 2, 4, preload=True)
+    found = neighbours(before_16, "out", 768, 16).values()
+    assert LinearConfig(16, 32, 64, 4, 4, preload=True) in found
