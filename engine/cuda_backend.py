@@ -279,11 +279,7 @@ class ModelRunner:
         # batch-1 graph starts ~3 us sooner); a batch that fails is waited
         # for, its slot freed, and its error raised as before.
         packs = padded is not None and self.graphs.packs(padded, length)
-        later = (
-            padded is not None
-            and not packs
-            and self.forward.clamps_inputs(padded, length, None)
-        )
+        later = self._checks_while_running(padded, length, packs)
         if not later:
             _check_values(ids, lengths, length, self.vocab)
         index, slot = self.ring.take()
@@ -297,6 +293,18 @@ class ModelRunner:
             return _checked_while_running(ticket, ids, lengths, length, self.vocab)
         return ticket
 
+    def _checks_while_running(
+        self, padded: int | None, length: int, packs: bool
+    ) -> bool:
+        """Whether a batch padded to ``padded`` rows may be launched before
+        its values are checked: a captured, unpacked shape whose forward
+        clamps ids and lengths itself (``FusedForward.clamps_inputs``)."""
+        return (
+            padded is not None
+            and not packs
+            and self.forward.clamps_inputs(padded, length, None)
+        )
+
     def _direct_for(self, rows: int, length: int) -> Direct | None:
         """The Direct of a request shape, or None where its batches take the
         general way: packed or staged graphs, none captured, a forward that
@@ -304,9 +312,8 @@ class ModelRunner:
         if not self.zero_copy or length > self.max_length or rows > self.rows:
             return None
         padded = self.graphs.padded_batch(rows, length)
-        if padded is None or self.graphs.packs(padded, length):
-            return None
-        if not self.forward.clamps_inputs(padded, length, None):
+        packs = padded is not None and self.graphs.packs(padded, length)
+        if padded is None or not self._checks_while_running(padded, length, packs):
             return None
         executables = self.graphs.executables(padded, length)
         if executables is None or len(executables) != len(self.ring.slots):
