@@ -1,4 +1,5 @@
-"""FP8 products with more in their epilogue than torch asks for (cuBLASLt).
+"""cuBLASLt products that torch does not make: FP8 with more in the
+epilogue, and fp16/bf16 with an algorithm timed on the shape.
 
 The fused forward's FP8 layer (engine/fused.py) feeds FFN-out with FFN-in's
 activations in e4m3. ``torch._scaled_mm`` takes no epilogue but a bias, so
@@ -15,18 +16,29 @@ shape, where torch takes the heuristic's first.
     D [M, N] = e4m3(act(x8 [M, K] @ w8 [N, K]^T * scale_w * scale_x + bias) / scale_out)
     D [M, N] = x8 [M, K] @ w8 [N, K]^T * scale_w * scale_x + bias  (fp16)
 
+:class:`HalfGemm` makes the fp16/bf16 layer's products the same way:
+
+    D [M, N] = act(x [M, K] @ w [N, K]^T + bias)
+    R [M, N] += x [M, K] @ w [N, K]^T  (in place: beta 1)
+
+torch takes the heuristic's first algorithm with a workspace; on the H200
+every such candidate asks for 4 bytes of it, which cuBLASLt zeroes before
+the kernel, a memset node in a graph (48 of a BERT-base forward's 146
+nodes at 16,384 tokens). The algorithms are timed among the candidates with
+the workspace and without one (notes/gpu.md, session 18).
+
 Every scale is a device scalar read when the product runs (a CUDA graph
 replays with the current ones). A plan (matrix layouts, and the fastest of
 the algorithms cuBLASLt's heuristic proposes, timed) is made per token count
 at its first call;
 cublasLtMatmul itself only enqueues work on torch's current stream, so it is
 captured into CUDA graphs like any kernel. Where any of it is missing (no
-CUDA, no libcublasLt, no algorithm at load), :func:`fp8_epilogue_gemm`
-returns None and the caller keeps torch's product (and, for FFN-in, the
-separate pass); so does a token count that has no algorithm
-(:meth:`Fp8EpilogueGemm.runs`). The engine takes FFN-in's epilogue unless
-``BERTH_FP8_EPILOGUE=0`` and the timed plain products unless
-``BERTH_FP8_TUNED=0`` (engine/fused.py).
+CUDA, no libcublasLt, no algorithm at load), :func:`fp8_epilogue_gemm` and
+:func:`half_gemm` return None and the caller keeps torch's product (and, for
+FFN-in, the separate pass); so does a token count that has no algorithm
+(``runs``). The engine takes FFN-in's epilogue unless
+``BERTH_FP8_EPILOGUE=0``, the timed FP8 products unless ``BERTH_FP8_TUNED=0``
+and the timed fp16/bf16 ones unless ``BERTH_FP16_TUNED=0`` (engine/fused.py).
 """
 
 from __future__ import annotations
@@ -42,20 +54,26 @@ import torch
 log = logging.getLogger("berth.engine")
 
 # cublasLt.h (CUDA 12 and 13).
-CUDA_R_32F, CUDA_R_16F, CUDA_R_8F_E4M3 = 0, 2, 28
+CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF, CUDA_R_8F_E4M3 = 0, 2, 14, 28
 CUBLAS_COMPUTE_32F = 68
 OP_N, OP_T = 0, 1
 DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE, DESC_BIAS_POINTER = 3, 4, 7, 8
 DESC_A_SCALE_POINTER, DESC_B_SCALE_POINTER, DESC_D_SCALE_POINTER = 17, 18, 20
 DESC_FAST_ACCUM, DESC_BIAS_DATA_TYPE = 25, 26
 PREF_MAX_WORKSPACE_BYTES = 1
-EPILOGUE_BIAS, EPILOGUE_RELU_BIAS, EPILOGUE_GELU_BIAS = 4, 6, 36  # GELU: tanh form
+EPILOGUE_DEFAULT, EPILOGUE_BIAS, EPILOGUE_RELU_BIAS = 1, 4, 6
+EPILOGUE_GELU_BIAS = 36  # GELU: tanh form
 # What cuBLASLt may use as scratch (NVIDIA's advice for Hopper).
 WORKSPACE_BYTES = 32 << 20
 # Algorithms cuBLASLt's heuristic is asked for; each is timed on the product's
 # shape once per process (:meth:`Fp8EpilogueGemm.plan`) and the fastest kept.
 CANDIDATES = 8
 TIMED_RUNS = 10
+# Bytes of weight copies a timing cycles through: more than the H200's 50 MB
+# of L2, so each run reads its weights from memory (``_Product._fastest``).
+COLD_BYTES = 64 << 20
+# HalfGemm's types, by the weight's dtype.
+HALF_TYPES = {torch.float16: CUDA_R_16F, torch.bfloat16: CUDA_R_16BF}
 # fp8_epilogue_gemm's activations, by name (None: the bias alone).
 EPILOGUES = {
     None: EPILOGUE_BIAS,
@@ -180,34 +198,39 @@ def _set(
     )  # fmt: skip
 
 
-class Fp8EpilogueGemm:
-    """One cuBLASLt call (module docstring): ``act(x8 @ weight8^T * scale_w *
-    scale_x + bias)`` as e4m3 in ``1 / out_inv_scale``, or, with no
-    ``out_inv_scale``, ``x8 @ weight8^T * scale_w * scale_x + bias`` in fp16."""
+class _Product:
+    """One cuBLASLt product of a fixed weight [N, K] (nn.Linear's layout):
+    its descriptor, and per token count its layouts and the fastest of the
+    algorithms cuBLASLt's heuristic proposes, timed (``plan``). Subclasses
+    set the types and the epilogue, then call ``plan(16)``, which fails at
+    load where cuBLASLt has no algorithm."""
+
+    label = "cuBLASLt"  # what logs call the product
+    # The workspace sizes the heuristic is asked for candidates with, and
+    # whether the timing reads the weight cold (COLD_BYTES of copies).
+    spaces: tuple[int, ...] = (WORKSPACE_BYTES,)
+    cold = False
 
     def __init__(
         self,
-        weight8: torch.Tensor,
-        weight_scale: torch.Tensor,
-        input_scale: torch.Tensor,
-        bias: torch.Tensor,
-        out_inv_scale: torch.Tensor | None,
-        epilogue: int = EPILOGUE_GELU_BIAS,
+        weight: torch.Tensor,
+        types: tuple[int, int, int, int],
+        out_dtype: torch.dtype,
+        epilogue: int,
+        beta: float = 0.0,
     ) -> None:
-        if weight8.dtype != torch.float8_e4m3fn or bias.dtype != torch.float16:
-            raise ValueError("an e4m3 weight and an fp16 bias")
-        self.device = weight8.device
+        self.device = weight.device
         self.lib = _load(self.device)
         self.handle, self.workspace = self.lib.handle(self.device)
-        self.n, self.k = weight8.shape
-        # Kept alive here: cuBLASLt holds their addresses.
-        self.tensors = (weight8, weight_scale, input_scale, bias, out_inv_scale)
-        self.weight8 = weight8
+        self.n, self.k = weight.shape
+        self.weight = weight
+        # The types of A (the weight), B (x), C and D.
+        a_type, self.x_type, self.c_type, self.d_type = types
+        self.out_dtype = out_dtype
         self.epilogue = epilogue
-        self.out_dtype = torch.float16 if out_inv_scale is None else torch.float8_e4m3fn
-        self.d_type = CUDA_R_16F if out_inv_scale is None else CUDA_R_8F_E4M3
-        self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(beta)
         self.plans: dict[int, Plan] = {}
+        self.refused: set[int] = set()  # token counts with no algorithm
         self.a_layout: ctypes.c_void_p | None = None
         self.desc: ctypes.c_void_p | None = None
         lib, desc = self.lib, ctypes.c_void_p()
@@ -223,17 +246,13 @@ class Fp8EpilogueGemm:
         _set(lib, desc, DESC_TRANSA, ctypes.c_int32(OP_T))
         _set(lib, desc, DESC_TRANSB, ctypes.c_int32(OP_N))
         _set(lib, desc, DESC_EPILOGUE, ctypes.c_uint32(epilogue))
-        _set(lib, desc, DESC_BIAS_POINTER, ctypes.c_void_p(bias.data_ptr()))
-        _set(lib, desc, DESC_BIAS_DATA_TYPE, ctypes.c_int32(CUDA_R_16F))
-        _set(lib, desc, DESC_A_SCALE_POINTER, ctypes.c_void_p(weight_scale.data_ptr()))
-        _set(lib, desc, DESC_B_SCALE_POINTER, ctypes.c_void_p(input_scale.data_ptr()))
-        if out_inv_scale is not None:
-            out_scale = ctypes.c_void_p(out_inv_scale.data_ptr())
-            _set(lib, desc, DESC_D_SCALE_POINTER, out_scale)
-        _set(lib, desc, DESC_FAST_ACCUM, ctypes.c_int8(1))
-        self.a_layout = self._layout(CUDA_R_8F_E4M3, self.k, self.n, self.k)
-        self.refused: set[int] = set()  # token counts with no algorithm
-        self.plan(16)  # fails here, at load, where cuBLASLt has no algorithm
+        self.a_layout = self._layout(a_type, self.k, self.n, self.k)
+
+    def _describe(self, attr: int, value: ctypes._SimpleCData[Any]) -> None:
+        """Set one attribute of the product's descriptor."""
+        if self.desc is None:
+            raise CublasLtError("this product was closed")
+        _set(self.lib, self.desc, attr, value)
 
     def close(self) -> None:
         """Destroy the descriptor and every layout this product made (once;
@@ -273,10 +292,10 @@ class Fp8EpilogueGemm:
             return self.plans[m]
         if self.desc is None:
             raise CublasLtError("this product was closed")
-        b = self._layout(CUDA_R_8F_E4M3, self.k, m, self.k)
-        # No C (beta = 0, the pointer NULL), but its layout: cuBLASLt wants the
-        # bias's type there when D is e4m3.
-        c = self._layout(CUDA_R_16F, self.n, m, self.n)
+        b = self._layout(self.x_type, self.k, m, self.k)
+        # With beta = 0 no C is read (the pointer NULL), but its layout is
+        # given: cuBLASLt wants the bias's type there when D is e4m3.
+        c = self._layout(self.c_type, self.n, m, self.n)
         d = self._layout(self.d_type, self.n, m, self.n)
         try:
             found = self._algorithm(m, b, c, d)
@@ -287,19 +306,20 @@ class Fp8EpilogueGemm:
         self.plans[m] = Plan(b, c, d, found)
         return self.plans[m]
 
-    def _algorithm(
-        self, m: int, b: ctypes.c_void_p, c: ctypes.c_void_p, d: ctypes.c_void_p
-    ) -> _Heuristic:
-        """``plan``'s algorithm for m tokens on these layouts."""
+    def _candidates(
+        self, b: ctypes.c_void_p, c: ctypes.c_void_p, d: ctypes.c_void_p, space: int
+    ) -> list[_Heuristic]:
+        """cuBLASLt's heuristic's algorithms for these layouts that need at
+        most ``space`` bytes of workspace."""
         pref = ctypes.c_void_p()
         self.lib.call("cublasLtMatmulPreferenceCreate", ctypes.byref(pref))
-        size = ctypes.c_uint64(WORKSPACE_BYTES)
-        self.lib.call(
-            "cublasLtMatmulPreferenceSetAttribute",
-            pref, PREF_MAX_WORKSPACE_BYTES, ctypes.byref(size), ctypes.sizeof(size),
-        )  # fmt: skip
+        size = ctypes.c_uint64(space)
         results, count = (_Heuristic * CANDIDATES)(), ctypes.c_int(0)
         try:
+            self.lib.call(
+                "cublasLtMatmulPreferenceSetAttribute",
+                pref, PREF_MAX_WORKSPACE_BYTES, ctypes.byref(size), ctypes.sizeof(size),
+            )  # fmt: skip
             self.lib.call(
                 "cublasLtMatmulAlgoGetHeuristic",
                 self.handle, self.desc, self.a_layout, b, c, d, pref, CANDIDATES,
@@ -307,21 +327,36 @@ class Fp8EpilogueGemm:
             )  # fmt: skip
         finally:
             self.lib.call("cublasLtMatmulPreferenceDestroy", pref)
-        candidates = [r for r in results[: count.value] if r.state == 0]
+        return [r for r in results[: count.value] if r.state == 0]
+
+    def _algorithm(
+        self, m: int, b: ctypes.c_void_p, c: ctypes.c_void_p, d: ctypes.c_void_p
+    ) -> _Heuristic:
+        """``plan``'s algorithm for m tokens on these layouts, among the
+        heuristic's candidates for each workspace size in ``spaces`` (one
+        that uses the workspace is a memset node and a kernel in a graph:
+        cuBLASLt zeroes its first bytes; one without is the kernel alone)."""
+        index = self.device.index if self.device.index is not None else -1
+        key: tuple[int | float, ...] = (index, m, self.n, self.k, self.epilogue)
+        key += (self.x_type, self.d_type, self.beta.value)
+        if key in _tuned:  # the same problem: the same candidates (every layer)
+            return _tuned[key]
+        candidates: dict[bytes, _Heuristic] = {}
+        for space in self.spaces:
+            for found in self._candidates(b, c, d, space):
+                candidates.setdefault(bytes(found.algo), found)
         if not candidates:
             raise CublasLtError(f"no cuBLASLt algorithm for {m}x{self.n}x{self.k}")
-        index = self.device.index if self.device.index is not None else -1
-        key = (index, m, self.n, self.k, self.epilogue, self.d_type)
-        algos = {bytes(r.algo): r for r in candidates}
-        known = _tuned.get(key)
-        found = algos.get(bytes(known.algo)) if known is not None else None
-        if found is None:
-            with torch.cuda.device(self.device):
-                if torch.cuda.is_current_stream_capturing():  # nothing can be timed
-                    found = candidates[0]
-                else:
-                    found = _tuned[key] = self._fastest(m, candidates, b, c, d)
-        return found
+        listed = list(candidates.values())
+        with torch.cuda.device(self.device):
+            if torch.cuda.is_current_stream_capturing():  # nothing can be timed
+                return listed[0]
+            _tuned[key] = self._fastest(m, listed, b, c, d)
+        return _tuned[key]
+
+    def _scratch(self, m: int) -> torch.Tensor:
+        """Rows of this product's input to time its candidates on."""
+        raise NotImplementedError
 
     def _fastest(
         self,
@@ -333,24 +368,34 @@ class Fp8EpilogueGemm:
     ) -> _Heuristic:
         """The candidate that runs this product fastest, on scratch rows, on
         the product's device and stream (one that fails to run is passed
-        over; none running is an error)."""
+        over; none running is an error). With ``cold``, each run reads
+        another copy of the weight, more of them than L2 holds (COLD_BYTES),
+        as a forward's products read theirs from memory."""
         if len(candidates) == 1:
             return candidates[0]
-        x8 = torch.randn(m, self.k, device=self.device).to(torch.float8_e4m3fn)
-        out = torch.empty((m, self.n), dtype=self.out_dtype, device=self.device)
+        x = self._scratch(m)
+        out = torch.zeros((m, self.n), dtype=self.out_dtype, device=self.device)
+        weights = [self.weight.data_ptr()]
+        if self.cold:
+            count = max(2, COLD_BYTES // (self.weight.numel() * self.weight.itemsize))
+            copies = self.weight.expand(count, *self.weight.shape).contiguous()
+            weights = [int(copy.data_ptr()) for copy in copies]
         stream = torch.cuda.current_stream(self.device)
         plan = Plan(b, c, d, candidates[0])
         best, best_ms = candidates[0], float("inf")
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
+        turn = 0  # the copies in turn, across candidates: none read twice in L2
         for found in candidates:
             plan = plan._replace(found=found)
             try:
                 for _ in range(2):  # warm-up
-                    self._run(plan, x8.data_ptr(), out.data_ptr())
+                    self._run(plan, x.data_ptr(), out.data_ptr())
                 start.record(stream)
                 for _ in range(TIMED_RUNS):
-                    self._run(plan, x8.data_ptr(), out.data_ptr())
+                    weight = weights[turn % len(weights)]
+                    turn += 1
+                    self._run(plan, x.data_ptr(), out.data_ptr(), weight)
                 end.record(stream)
                 end.synchronize()
             except CublasLtError:
@@ -363,27 +408,33 @@ class Fp8EpilogueGemm:
                 f"none of {len(candidates)} algorithms ran {m}x{self.n}x{self.k}"
             )
         log.debug(
-            "fp8: %dx%dx%d product: the fastest of %d cuBLASLt candidates, %.1f us",
-            m, self.n, self.k, len(candidates), best_ms * 1000,
+            "%s: %dx%dx%d product: the fastest of %d cuBLASLt candidates, %.1f us"
+            " (%s workspace)",
+            self.label, m, self.n, self.k, len(candidates), best_ms * 1000,
+            "with" if best.workspace_size else "no",
         )  # fmt: skip
         return best
 
-    def _run(self, plan: Plan, x8: int, out: int) -> None:
-        """One cublasLtMatmul on the current stream, at these addresses."""
+    def _run(self, plan: Plan, x: int, out: int, weight: int | None = None) -> None:
+        """One cublasLtMatmul on the current stream, at these addresses (out
+        is C too where beta is 1; the product's weight unless another is
+        given); the workspace only for an algorithm that uses it."""
         stream = torch.cuda.current_stream(self.device).cuda_stream
+        found = plan.found
+        space = WORKSPACE_BYTES if found.workspace_size else 0
         self.lib.call(
             "cublasLtMatmul",
             self.handle, self.desc, ctypes.byref(self.alpha),
-            self.weight8.data_ptr(), self.a_layout, x8, plan.x,
-            ctypes.byref(self.beta), None, plan.c, out, plan.d,
-            ctypes.byref(plan.found.algo), self.workspace.data_ptr(),
-            WORKSPACE_BYTES, stream,
+            weight or self.weight.data_ptr(), self.a_layout, x, plan.x,
+            ctypes.byref(self.beta), out if self.beta.value else None, plan.c,
+            out, plan.d, ctypes.byref(found.algo),
+            self.workspace.data_ptr() if space else None, space, stream,
         )  # fmt: skip
 
     def runs(self, m: int) -> bool:
         """Whether m tokens have a plan (made now if need be: call it before a
         graph capture); one without is logged once, and the caller takes
-        torch's product (and pass) instead."""
+        torch's product instead."""
         if m in self.plans:
             return True
         if m not in self.refused:
@@ -393,29 +444,154 @@ class Fp8EpilogueGemm:
             except CublasLtError as exc:
                 self.refused.add(m)
                 log.warning(
-                    "fp8: a %dx%d product at %d tokens takes torch's path: %s",
-                    self.n,
-                    self.k,
-                    m,
-                    exc,
-                )
+                    "%s: a %dx%d product at %d tokens takes torch's path: %s",
+                    self.label, self.n, self.k, m, exc,
+                )  # fmt: skip
         return False
+
+    def _checked(self, x: torch.Tensor, dtype: torch.dtype) -> int:
+        """x's rows, once x is [M, K] of ``dtype``, contiguous and 256-byte
+        aligned (what cuBLASLt's heuristic assumes by default; the fused
+        forward's are fresh allocations)."""
+        if x.dtype != dtype or x.shape[1:] != (self.k,):
+            raise ValueError(
+                f"{dtype} input [M, {self.k}] expected, got {x.dtype} {tuple(x.shape)}"
+            )
+        if not x.is_contiguous() or x.data_ptr() % 256:
+            raise ValueError("the input must be contiguous and 256-byte aligned")
+        return x.shape[0]
+
+
+class Fp8EpilogueGemm(_Product):
+    """One cuBLASLt call (module docstring): ``act(x8 @ weight8^T * scale_w *
+    scale_x + bias)`` as e4m3 in ``1 / out_inv_scale``, or, with no
+    ``out_inv_scale``, ``x8 @ weight8^T * scale_w * scale_x + bias`` in fp16."""
+
+    label = "fp8"
+
+    def __init__(
+        self,
+        weight8: torch.Tensor,
+        weight_scale: torch.Tensor,
+        input_scale: torch.Tensor,
+        bias: torch.Tensor,
+        out_inv_scale: torch.Tensor | None,
+        epilogue: int = EPILOGUE_GELU_BIAS,
+    ) -> None:
+        if weight8.dtype != torch.float8_e4m3fn or bias.dtype != torch.float16:
+            raise ValueError("an e4m3 weight and an fp16 bias")
+        # Kept alive here: cuBLASLt holds their addresses.
+        self.tensors = (weight8, weight_scale, input_scale, bias, out_inv_scale)
+        self.weight8 = weight8
+        d_type = CUDA_R_16F if out_inv_scale is None else CUDA_R_8F_E4M3
+        out_dtype = torch.float16 if out_inv_scale is None else torch.float8_e4m3fn
+        types = (CUDA_R_8F_E4M3, CUDA_R_8F_E4M3, CUDA_R_16F, d_type)
+        super().__init__(weight8, types, out_dtype, epilogue)
+        describe = self._describe
+        describe(DESC_BIAS_POINTER, ctypes.c_void_p(bias.data_ptr()))
+        describe(DESC_BIAS_DATA_TYPE, ctypes.c_int32(CUDA_R_16F))
+        describe(DESC_A_SCALE_POINTER, ctypes.c_void_p(weight_scale.data_ptr()))
+        describe(DESC_B_SCALE_POINTER, ctypes.c_void_p(input_scale.data_ptr()))
+        if out_inv_scale is not None:
+            describe(DESC_D_SCALE_POINTER, ctypes.c_void_p(out_inv_scale.data_ptr()))
+        describe(DESC_FAST_ACCUM, ctypes.c_int8(1))
+        self.plan(16)  # fails here, at load, where cuBLASLt has no algorithm
+
+    def _scratch(self, m: int) -> torch.Tensor:
+        return torch.randn(m, self.k, device=self.device).to(torch.float8_e4m3fn)
 
     def __call__(self, x8: torch.Tensor) -> torch.Tensor:
         """x8 [M, K] e4m3 (contiguous) -> [M, N] e4m3 or fp16, on the current
         stream."""
-        if x8.dtype != torch.float8_e4m3fn or x8.shape[1:] != (self.k,):
-            raise ValueError(
-                f"e4m3 input [M, {self.k}] expected, got {x8.dtype} {tuple(x8.shape)}"
-            )
-        # cuBLASLt's heuristic assumes 256-byte aligned matrices (its default
-        # alignment preferences); the fused forward's are fresh allocations.
-        if not x8.is_contiguous() or x8.data_ptr() % 256:
-            raise ValueError("the input must be contiguous and 256-byte aligned")
-        m = x8.shape[0]
+        m = self._checked(x8, torch.float8_e4m3fn)
         out = torch.empty((m, self.n), dtype=self.out_dtype, device=self.device)
         self._run(self.plan(m), x8.data_ptr(), out.data_ptr())
         return out
+
+
+class HalfGemm(_Product):
+    """An fp16 or bf16 projection as one cuBLASLt call with a timed
+    algorithm: ``act(x @ weight^T + bias)`` (``__call__``), or, made with
+    ``accumulate``, ``residual += x @ weight^T`` in place (``add_to``: beta 1,
+    no bias). torch's products take the heuristic's first algorithm with a
+    workspace, a memset node before each kernel in a graph."""
+
+    label = "cuBLASLt"
+    # Timed on one hot weight copy and among candidates with the workspace
+    # only, BERT-base 8 x 128's products took algorithms that made its forward
+    # 12 % slower on the H200; with both changed, still 5 % (so the engine
+    # takes these products from HALF_TUNED_MIN_TOKENS tokens on, engine/
+    # fused.py). With the same two changes, the FP8 engine with its timed
+    # products ran 0.6 and 2.3 % slower than with torch's in two runs, where
+    # the base's timing had made it 0.5 % faster (notes/gpu.md, session 18):
+    # the FP8 products keep the base's.
+    spaces = (WORKSPACE_BYTES, 0)
+    cold = True
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        epilogue: int = EPILOGUE_BIAS,
+        accumulate: bool = False,
+    ) -> None:
+        kind = HALF_TYPES.get(weight.dtype)
+        if kind is None or (bias is not None and bias.dtype != weight.dtype):
+            raise ValueError("an fp16 or bf16 weight, and a bias of its type")
+        if accumulate and (bias is not None or epilogue != EPILOGUE_DEFAULT):
+            raise ValueError("a product added to the residual takes no epilogue")
+        if not accumulate and bias is None:
+            raise ValueError("a product without the residual takes its bias")
+        self.tensors = (weight, bias)  # kept alive: cuBLASLt holds addresses
+        types = (kind, kind, kind, kind)
+        super().__init__(weight, types, weight.dtype, epilogue, float(accumulate))
+        if bias is not None:
+            self._describe(DESC_BIAS_POINTER, ctypes.c_void_p(bias.data_ptr()))
+            self._describe(DESC_BIAS_DATA_TYPE, ctypes.c_int32(kind))
+        self.plan(16)
+
+    def _scratch(self, m: int) -> torch.Tensor:
+        return torch.randn(m, self.k, device=self.device, dtype=self.out_dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] -> act(x W^T + b) [M, N], on the current stream."""
+        if self.beta.value:
+            raise ValueError("this product adds to a residual: add_to")
+        m = self._checked(x, self.out_dtype)
+        out = torch.empty((m, self.n), dtype=self.out_dtype, device=self.device)
+        self._run(self.plan(m), x.data_ptr(), out.data_ptr())
+        return out
+
+    def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual [M, N] += x [M, K] W^T, in place, on the current stream."""
+        if not self.beta.value:
+            raise ValueError("this product takes no residual: call it")
+        m = self._checked(x, self.out_dtype)
+        if residual.shape != (m, self.n) or residual.dtype != self.out_dtype:
+            raise ValueError(f"a residual [{m}, {self.n}] of {self.out_dtype}")
+        if not residual.is_contiguous() or residual.data_ptr() % 256:
+            raise ValueError("the residual must be contiguous and 256-byte aligned")
+        self._run(self.plan(m), x.data_ptr(), residual.data_ptr())
+        return residual
+
+
+def half_gemm(
+    linear: torch.nn.Module, epilogue: int = EPILOGUE_BIAS, accumulate: bool = False
+) -> HalfGemm | None:
+    """The timed cuBLASLt product of an fp16/bf16 nn.Linear on a GPU
+    (``HalfGemm``), or None (and why, logged once per reason) where it
+    cannot run here."""
+    weight = getattr(linear, "weight", None)
+    if not isinstance(linear, torch.nn.Linear) or weight is None or not weight.is_cuda:
+        return None
+    try:
+        bias = None if accumulate else linear.bias
+        return HalfGemm(weight, bias, epilogue, accumulate)
+    except (CublasLtError, ValueError) as exc:
+        if str(exc) not in _logged:
+            _logged.add(str(exc))
+            log.warning("a product keeps torch's path: %s", exc)
+        return None
 
 
 def fp8_epilogue_gemm(
@@ -449,5 +625,6 @@ def fp8_epilogue_gemm(
 
 
 _logged: set[str] = set()
-# The timed choice per (device, tokens, N, K, epilogue, output type).
-_tuned: dict[tuple[int, int, int, int, int, int], _Heuristic] = {}
+# The timed choice per (device, tokens, N, K, epilogue, input and output
+# types, beta).
+_tuned: dict[tuple[int | float, ...], _Heuristic] = {}

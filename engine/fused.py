@@ -44,7 +44,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import kernels
-from engine.cublaslt import Fp8EpilogueGemm, fp8_epilogue_gemm
+from engine.cublaslt import (
+    EPILOGUE_BIAS,
+    EPILOGUE_DEFAULT,
+    EPILOGUE_GELU_BIAS,
+    EPILOGUE_RELU_BIAS,
+    Fp8EpilogueGemm,
+    HalfGemm,
+    fp8_epilogue_gemm,
+    half_gemm,
+)
 from engine.cuda_graphs import capturing
 from engine.encoder import ACTIVATIONS, EncoderLayer, key_padding_mask
 from engine.heads import ClsPooling, MeanPooling
@@ -69,7 +78,12 @@ ATTENTION_KINDS = ("flash", "triton", "sdpa")
 #   (notes/gpu.md, session 13);
 # - BERTH_FP8_TUNED=0: FP8 layers run QKV, attention-out and FFN-out through
 #   torch._scaled_mm (the heuristic's first algorithm) instead of cuBLASLt
-#   products with an algorithm timed on their shape (engine/cublaslt.py).
+#   products with an algorithm timed on their shape (engine/cublaslt.py);
+# - BERTH_FP16_TUNED=0: fp16 (and bf16) layers run their cuBLAS products
+#   through torch (the heuristic's first algorithm, with a workspace it
+#   zeroes first: a memset node before each product in a graph) instead of
+#   cuBLASLt products with an algorithm timed on their shape, with or without
+#   a workspace (``HalfLayer``).
 
 
 class Fp8Layer(NamedTuple):
@@ -83,6 +97,27 @@ class Fp8Layer(NamedTuple):
     ffn_out: Fp8EpilogueGemm | None = None
 
 
+class HalfLayer(NamedTuple):
+    """An fp16/bf16 layer's products where torch's cuBLAS would run them
+    (shapes without berth's few-token tiles), as cuBLASLt calls with an
+    algorithm timed per token count (engine/cublaslt.HalfGemm): QKV with its
+    bias, FFN-in with its bias and, where cuBLASLt computes it (ReLU, GELU's
+    tanh form), its activation, and the two products followed by a residual
+    added to it in place. None: torch's product."""
+
+    qkv: HalfGemm | None
+    out: HalfGemm | None
+    ffn_in: HalfGemm | None
+    ffn_in_act: bool  # whether ffn_in applies the activation itself
+    ffn_out: HalfGemm | None
+
+
+# Forwards of at least this many tokens run HalfLayer's products. H200,
+# BERT-base, the engine's graphs against torch's products, two runs: 4,096 to
+# 32,768 tokens 1.01-1.05x (128 x 128 1.02-1.04x, 64 x 512 1.05x), but 512 to
+# 2,048 tokens 0.88-0.98x, with algorithms timed on one weight copy or on
+# copies read cold (notes/gpu.md, session 18).
+HALF_TUNED_MIN_TOKENS = 4096
 # Dependent launches up to this many tokens a forward. H200, end to end over
 # four runs: 1.01-1.23x at 16-256 tokens (mostly 1.06-1.09x), 0.97-1.00x at
 # 512-1,024 (MiniLM 0.90-0.99x at 1,024): benchmarks/small_batch.py.
@@ -129,6 +164,7 @@ class FusedForward:
         fp8_epilogue: bool | None = None,
         fp8_tuned: bool | None = None,
         preload: bool | None = None,
+        fp16_tuned: bool | None = None,
     ) -> None:
         self.served = served
         self.encoder = served.encoder
@@ -170,6 +206,44 @@ class FusedForward:
         if fp8_tuned is None:
             fp8_tuned = env("FP8_TUNED", True)
         self.fp8 = self._fp8_plans(fp8_epilogue, fp8_tuned)
+        if fp16_tuned is None:
+            fp16_tuned = env("FP16_TUNED", True)
+        self.half = self._half_plans(fp16_tuned)
+
+    def _half_plans(self, tuned: bool) -> list[HalfLayer | None]:
+        """``HalfLayer`` per layer: for each fp16/bf16 layer on a GPU with
+        ``tuned``, None for the others (FP8, or on the CPU)."""
+        weight = self.encoder.embeddings.word.weight
+        if not tuned or not weight.is_cuda:
+            return [None] * len(self.layers)
+        if self.activation == "relu":
+            act_epilogue: int | None = EPILOGUE_RELU_BIAS
+        elif self.epilogue:
+            act_epilogue = EPILOGUE_GELU_BIAS
+        else:  # GELU's erf form: cuBLASLt adds the bias, a kernel applies it
+            act_epilogue = None
+        plans: list[HalfLayer | None] = []
+        for layer, fp8 in zip(self.layers, self.fp8, strict=True):
+            if fp8 is not None or not isinstance(layer.ffn_in, nn.Linear):
+                plans.append(None)
+                continue
+            att = layer.attention
+            plans.append(
+                HalfLayer(
+                    qkv=half_gemm(att.qkv),
+                    out=half_gemm(att.out, EPILOGUE_DEFAULT, accumulate=True),
+                    ffn_in=half_gemm(layer.ffn_in, act_epilogue or EPILOGUE_BIAS),
+                    ffn_in_act=act_epilogue is not None,
+                    ffn_out=half_gemm(layer.ffn_out, EPILOGUE_DEFAULT, accumulate=True),
+                )
+            )
+        made = [p for p in plans if p is not None]
+        if made:
+            log.info(
+                "%d of %d layers run their cuBLAS products as cuBLASLt calls "
+                "with timed algorithms", len(made), len(plans),
+            )  # fmt: skip
+        return plans
 
     def _fp8_plans(self, epilogue: bool, tuned: bool) -> list[Fp8Layer | None]:
         """For each layer whose projections are static tensor-wise FP8
@@ -485,11 +559,11 @@ class FusedForward:
     ) -> torch.Tensor:
         """Every encoder layer over x [tokens, hidden]."""
         x8 = None  # x as the next FP8 layer's e4m3 input, where written
-        for layer, fp8 in zip(self.layers, self.fp8, strict=True):
+        for layer, fp8, half in zip(self.layers, self.fp8, self.half, strict=True):
             if fp8 is not None:
                 x, x8 = self._fp8_layer(layer, x, x8, fp8, batch, length, keys)
             else:
-                x, x8 = self._layer(layer, x, batch, length, keys), None
+                x, x8 = self._layer(layer, x, batch, length, keys, half), None
         return x
 
     def _fp8_layer(
@@ -547,6 +621,7 @@ class FusedForward:
         batch: int,
         length: int,
         keys: tuple[str, Any, bool],
+        half: HalfLayer | None = None,
     ) -> torch.Tensor:
         attention = layer.attention
         plan = self._plan(x.shape[0], self.preloaded.get((batch, length), False))
@@ -557,14 +632,20 @@ class FusedForward:
                 x, attention.qkv.weight, attention.qkv.bias, config=plan["qkv"],
                 pdl=self._dependent(len(x)),
             )  # fmt: skip
+        elif half is not None and half.qkv is not None and _takes(half.qkv, x):
+            qkv = half.qkv(x)
         else:
             qkv = F.linear(x, attention.qkv.weight, attention.qkv.bias)
         context = self._attend(qkv, batch, length, keys)
-        x = self._project_norm(context, attention.out, x, layer.norm1, plan.get("out"))
-        inner = self._ffn_in(layer, x, plan.get("ffn_in"))
+        x = self._project_norm(
+            context, attention.out, x, layer.norm1, plan.get("out"),
+            half.out if half is not None else None,
+        )  # fmt: skip
+        inner = self._ffn_in(layer, x, plan.get("ffn_in"), half)
         return self._project_norm(
-            inner, layer.ffn_out, x, layer.norm2, plan.get("ffn_out")
-        )
+            inner, layer.ffn_out, x, layer.norm2, plan.get("ffn_out"),
+            half.ffn_out if half is not None else None,
+        )  # fmt: skip
 
     def forget_plans(self) -> None:
         """Drop the GEMM plans made so far, so the next forward reads
@@ -593,9 +674,11 @@ class FusedForward:
         residual: torch.Tensor,
         norm: nn.LayerNorm,
         tiles: kernels.LinearConfig | None,
+        tuned: HalfGemm | None = None,
     ) -> torch.Tensor:
         """LayerNorm(x W^T + b + residual). ``residual`` may be overwritten:
-        the layer reads it no more."""
+        the layer reads it no more. ``tuned``: the product as a cuBLASLt call
+        that adds to the residual (``HalfLayer``)."""
         pdl = self._dependent(len(x))
         if not isinstance(linear, nn.Linear):  # a quantized layer (FP8)
             out = linear(x)
@@ -603,7 +686,10 @@ class FusedForward:
             # cuBLAS adds the residual (beta = 1, in place) and the LayerNorm
             # reads one tensor, not two: 1-2.6 % of a packed 64-256 x 64-128
             # batch on the H200 (notes/gpu.md, session 17).
-            residual.addmm_(x, linear.weight.t())
+            if tuned is not None and _takes(tuned, x, residual):
+                tuned.add_to(x, residual)
+            else:
+                residual.addmm_(x, linear.weight.t())
             return add_layer_norm_partials(
                 None, linear.bias, residual, norm.weight, norm.bias, self.eps, pdl
             )
@@ -647,6 +733,7 @@ class FusedForward:
         layer: EncoderLayer,
         x: torch.Tensor,
         tiles: kernels.LinearConfig | None = None,
+        half: HalfLayer | None = None,
     ) -> torch.Tensor:
         linear = layer.ffn_in
         if not isinstance(linear, nn.Linear):  # a quantized layer (FP8)
@@ -656,6 +743,9 @@ class FusedForward:
             return kernels.linear(
                 x, linear.weight, linear.bias, self.plan_act, tiles, pdl
             )
+        if half is not None and half.ffn_in is not None and _takes(half.ffn_in, x):
+            inner = half.ffn_in(x)
+            return inner if half.ffn_in_act else layer.act(inner)
         if self.activation == "relu":
             return torch._addmm_activation(
                 linear.bias, x, linear.weight.t(), use_gelu=False
@@ -676,6 +766,18 @@ class FusedForward:
                 0, (batch + 1) * length, length, dtype=torch.int32, device=device
             )
         return self._starts[key]
+
+
+def _takes(gemm: HalfGemm, *tensors: torch.Tensor) -> bool:
+    """Whether a tuned product runs on these tensors: at least
+    HALF_TUNED_MIN_TOKENS rows, each tensor as cuBLASLt's heuristic assumes
+    it (contiguous, 256-byte aligned), and a plan for their token count (made
+    now, before any capture: engine/cuda_graphs runs each shape eagerly
+    first)."""
+    if len(tensors[0]) < HALF_TUNED_MIN_TOKENS:
+        return False
+    aligned = all(t.is_contiguous() and t.data_ptr() % 256 == 0 for t in tensors)
+    return aligned and gemm.runs(len(tensors[0]))
 
 
 def _fp8_ready(layer: EncoderLayer) -> bool:

@@ -235,3 +235,16 @@ def test_mean_pool_writes_into_the_buffer_it_is_given() -> None:
     assert torch.equal(out[1], torch.zeros(16))
     with pytest.raises(ValueError, match=r"float32 \[3, 16\]"):
         mean_pool(hidden, lengths, out=torch.empty(3, 8))
+
+
+def test_tuned_products_are_none_off_the_gpu(backend: TorchBackend) -> None:
+    """cuBLASLt's timed products (engine/cublaslt.HalfGemm) are made only for
+    weights on a GPU: on the CPU every layer keeps torch's, on or off."""
+    from engine.cublaslt import half_gemm
+
+    served = backend.model("minilm")
+    for tuned in (True, False):
+        forward = FusedForward(served, fp16_tuned=tuned)
+        assert forward.half == [None] * len(forward.layers)
+    assert half_gemm(served.encoder.layers[0].ffn_in) is None
+    assert half_gemm(torch.nn.LayerNorm(8)) is None  # no nn.Linear

@@ -832,6 +832,90 @@ def test_fp8_forward_with_the_cublaslt_epilogue_in_graphs(refs: Fixtures) -> Non
     assert cos.min() > 0.99 and cos.mean() > 0.999
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_gemms_equal_torchs_products(dtype: torch.dtype) -> None:
+    """fp16/bf16 projections as cuBLASLt calls with timed algorithms compute
+    torch's products: bias, bias + GELU (tanh form) or ReLU, and the residual
+    added in place (beta 1), at token counts large and small, and in a graph
+    that reads its input's current rows."""
+    from engine import cublaslt
+
+    torch.manual_seed(3)
+    up = torch.nn.Linear(768, 3072, device="cuda", dtype=dtype)
+    down = torch.nn.Linear(3072, 768, device="cuda", dtype=dtype)
+    x = torch.randn(4096, 768, device="cuda", dtype=dtype)
+    inner = torch.randn(4096, 3072, device="cuda", dtype=dtype) / 8
+    plain = cublaslt.half_gemm(up)
+    gelu = cublaslt.half_gemm(up, cublaslt.EPILOGUE_GELU_BIAS)
+    relu = cublaslt.half_gemm(up, cublaslt.EPILOGUE_RELU_BIAS)
+    adds = cublaslt.half_gemm(down, cublaslt.EPILOGUE_DEFAULT, accumulate=True)
+    assert None not in (plain, gelu, relu, adds)
+    assert plain and gelu and relu and adds  # for mypy
+    # another algorithm may sum in another order: rounding apart
+    tol = {"rtol": 2e-3, "atol": 4e-3}
+    if dtype == torch.bfloat16:
+        tol = {"rtol": 2e-2, "atol": 3e-2}
+    w, b = up.weight.t(), up.bias
+    for rows in (4096, 200, 7):
+        xs = x[:rows]
+        torch.testing.assert_close(plain(xs), torch.addmm(b, xs, w), **tol)
+        want = torch._addmm_activation(b, xs, w, use_gelu=True)
+        torch.testing.assert_close(gelu(xs), want, **tol)
+        want = torch._addmm_activation(b, xs, w, use_gelu=False)
+        torch.testing.assert_close(relu(xs), want, **tol)
+        residual = torch.randn(rows, 768, device="cuda", dtype=dtype)
+        want = residual + inner[:rows] @ down.weight.t()
+        got = adds.add_to(inner[:rows], residual)
+        assert got.data_ptr() == residual.data_ptr()
+        torch.testing.assert_close(got, want, **tol)
+    with pytest.raises(ValueError, match="residual"):
+        adds(inner)
+    with pytest.raises(ValueError, match="aligned"):
+        plain(x.view(-1)[8 : 8 + 100 * 768].view(100, 768))
+    graph = torch.cuda.CUDAGraph()
+    with capturing(graph):
+        captured = gelu(x)
+    x.neg_()
+    graph.replay()
+    want = torch._addmm_activation(b, x, w, use_gelu=True)
+    torch.testing.assert_close(captured, want, **tol)
+
+
+def test_tuned_products_serve_what_torchs_do(refs: Fixtures) -> None:
+    """The fused forward with its cuBLAS products as timed cuBLASLt calls
+    (the default) equals the one through torch where it takes them (at
+    HALF_TUNED_MIN_TOKENS and more), eager and in graphs, and is the same
+    forward below that."""
+    from engine.fused import HALF_TUNED_MIN_TOKENS
+
+    entry = refs.entries["intent"]
+    cuda = CudaBackend("cuda:0")
+    cuda.load(entry)
+    served = cuda.runner("intent").forward.served
+    tuned = FusedForward(served, fp16_tuned=True)
+    plain = FusedForward(served, fp16_tuned=False)
+    assert all(h is not None and None not in h for h in tuned.half)
+    assert plain.half == [None] * len(plain.layers)
+    vocab = cuda.runner("intent").vocab
+    with torch.inference_mode():
+        for rows, length in ((64, 64), (2, 64)):
+            ids, lengths = random_batch(rows, length, vocab, seed=rows)
+            ids_d = torch.from_numpy(ids).cuda()
+            lengths_d = torch.from_numpy(lengths).cuda()
+            eager = tuned(ids_d, lengths_d)
+            graph = torch.cuda.CUDAGraph()
+            with capturing(graph):
+                captured = tuned(ids_d, lengths_d)
+            graph.replay()
+            torch.testing.assert_close(captured, eager)
+            want = plain(ids_d, lengths_d)
+            if rows * length < HALF_TUNED_MIN_TOKENS:
+                assert torch.equal(eager, want)
+            else:
+                cos = torch.nn.functional.cosine_similarity(eager.float(), want.float())
+                assert cos.min() > 0.9999
+
+
 @pytest.mark.parametrize("act", [0, 1, 2, 3])
 def test_e4m3_kernels_equal_torchs_conversion(act: int) -> None:
     """engine/kernels' e4m3 writers round and saturate as torch's cast does,
