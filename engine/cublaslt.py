@@ -516,7 +516,6 @@ class HalfGemm(_Product):
     no bias). torch's products take the heuristic's first algorithm with a
     workspace, a memset node before each kernel in a graph."""
 
-    label = "cuBLASLt"
     # Timed on one hot weight copy and among candidates with the workspace
     # only, BERT-base 8 x 128's products took algorithms that made its forward
     # 12 % slower on the H200; with both changed, still 5 % (so the engine
@@ -581,8 +580,10 @@ def half_gemm(
     """The timed cuBLASLt product of an fp16/bf16 nn.Linear on a GPU
     (``HalfGemm``), or None (and why, logged once per reason) where it
     cannot run here."""
-    weight = getattr(linear, "weight", None)
-    if not isinstance(linear, torch.nn.Linear) or weight is None or not weight.is_cuda:
+    if not isinstance(linear, torch.nn.Linear) or not linear.weight.is_cuda:
+        return None
+    weight = linear.weight
+    if weight.dtype not in HALF_TYPES:  # float32 on a GPU: torch's products
         return None
     try:
         bias = None if accumulate else linear.bias
