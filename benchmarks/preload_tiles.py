@@ -70,37 +70,28 @@ def neighbours(
     more rows than the tokens need, at most PRELOAD_CHUNKS chunks, within
     the shared memory."""
     rows_needed = max(16, 1 << (tokens - 1).bit_length())
-    found: dict[str, LinearConfig] = {}
+    steps: dict[str, LinearConfig] = {}
     for field in ("block_m", "block_n", "block_k", "split", "warps"):
         if field == "split" and projection in ("qkv", "ffn_in"):
             continue  # their bias and activation need the whole sum
         for step, factor in (("x2", 2.0), ("/2", 0.5)):
             value = int(getattr(config, field) * factor)
-            if field == "warps" and value not in (4, 8):
-                continue
-            if field == "split" and value < 1:
-                continue
-            if field.startswith("block") and not 16 <= value <= 256:
-                continue
-            if field == "block_m" and value > rows_needed:
-                continue
-            candidate = LinearConfig(**{**config._asdict(), field: value})
-            if not candidate.fits(k) or shared_bytes(candidate, k) > SHARED_BYTES:
-                continue
-            found[f"{projection} {field} {step}"] = candidate
+            steps[f"{projection} {field} {step}"] = config._replace(**{field: value})
     if projection in ("out", "ffn_out"):  # as many chunks, cut otherwise
         for step, split, chunk in (("x2", 2.0, 0.5), ("/2", 0.5, 2.0)):
-            candidate = config._replace(
+            steps[f"{projection} split {step}, block_k inverse"] = config._replace(
                 split=int(config.split * split), block_k=int(config.block_k * chunk)
             )
-            if (
-                candidate.split >= 1
-                and 16 <= candidate.block_k <= 256
-                and candidate.fits(k)
-                and shared_bytes(candidate, k) <= SHARED_BYTES
-            ):
-                found[f"{projection} split {step}, block_k inverse"] = candidate
-    return found
+    return {
+        name: tile
+        for name, tile in steps.items()
+        if tile.warps in (4, 8)
+        and tile.split >= 1
+        and all(16 <= b <= 256 for b in (tile.block_m, tile.block_n, tile.block_k))
+        and tile.block_m <= rows_needed
+        and tile.fits(k)
+        and shared_bytes(tile, k) <= SHARED_BYTES
+    }
 
 
 def _row_for(table: list[tuple[int, LinearConfig]], tokens: int) -> int:

@@ -189,6 +189,12 @@ def _load(device: torch.device) -> _Library:
     return _library
 
 
+def aligned(x: torch.Tensor) -> bool:
+    """Whether cuBLASLt's heuristic may take x as it assumes matrices by
+    default: contiguous, 256-byte aligned (fresh allocations are)."""
+    return x.is_contiguous() and x.data_ptr() % 256 == 0
+
+
 def _set(
     lib: _Library, desc: ctypes.c_void_p, attr: int, value: ctypes._SimpleCData[Any]
 ) -> None:
@@ -457,7 +463,7 @@ class _Product:
             raise ValueError(
                 f"{dtype} input [M, {self.k}] expected, got {x.dtype} {tuple(x.shape)}"
             )
-        if not x.is_contiguous() or x.data_ptr() % 256:
+        if not aligned(x):
             raise ValueError("the input must be contiguous and 256-byte aligned")
         return x.shape[0]
 
@@ -568,7 +574,7 @@ class HalfGemm(_Product):
         m = self._checked(x, self.out_dtype)
         if residual.shape != (m, self.n) or residual.dtype != self.out_dtype:
             raise ValueError(f"a residual [{m}, {self.n}] of {self.out_dtype}")
-        if not residual.is_contiguous() or residual.data_ptr() % 256:
+        if not aligned(residual):
             raise ValueError("the residual must be contiguous and 256-byte aligned")
         self._run(self.plan(m), x.data_ptr(), residual.data_ptr())
         return residual

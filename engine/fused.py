@@ -37,7 +37,7 @@ import os
 import statistics
 from collections.abc import Callable
 from functools import partial
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple, TypeGuard, cast
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +51,7 @@ from engine.cublaslt import (
     EPILOGUE_RELU_BIAS,
     Fp8EpilogueGemm,
     HalfGemm,
+    aligned,
     fp8_epilogue_gemm,
     half_gemm,
 )
@@ -632,7 +633,7 @@ class FusedForward:
                 x, attention.qkv.weight, attention.qkv.bias, config=plan["qkv"],
                 pdl=self._dependent(len(x)),
             )  # fmt: skip
-        elif half is not None and half.qkv is not None and _takes(half.qkv, x):
+        elif half is not None and _takes(half.qkv, x):
             qkv = half.qkv(x)
         else:
             qkv = F.linear(x, attention.qkv.weight, attention.qkv.bias)
@@ -686,7 +687,7 @@ class FusedForward:
             # cuBLAS adds the residual (beta = 1, in place) and the LayerNorm
             # reads one tensor, not two: 1-2.6 % of a packed 64-256 x 64-128
             # batch on the H200 (notes/gpu.md, session 17).
-            if tuned is not None and _takes(tuned, x, residual):
+            if _takes(tuned, x, residual):
                 tuned.add_to(x, residual)
             else:
                 residual.addmm_(x, linear.weight.t())
@@ -743,7 +744,7 @@ class FusedForward:
             return kernels.linear(
                 x, linear.weight, linear.bias, self.plan_act, tiles, pdl
             )
-        if half is not None and half.ffn_in is not None and _takes(half.ffn_in, x):
+        if half is not None and _takes(half.ffn_in, x):
             inner = half.ffn_in(x)
             return inner if half.ffn_in_act else layer.act(inner)
         if self.activation == "relu":
@@ -768,16 +769,15 @@ class FusedForward:
         return self._starts[key]
 
 
-def _takes(gemm: HalfGemm, *tensors: torch.Tensor) -> bool:
-    """Whether a tuned product runs on these tensors: at least
-    HALF_TUNED_MIN_TOKENS rows, each tensor as cuBLASLt's heuristic assumes
-    it (contiguous, 256-byte aligned), and a plan for their token count (made
-    now, before any capture: engine/cuda_graphs runs each shape eagerly
-    first)."""
-    if len(tensors[0]) < HALF_TUNED_MIN_TOKENS:
+def _takes(gemm: HalfGemm | None, *tensors: torch.Tensor) -> TypeGuard[HalfGemm]:
+    """Whether a tuned product (None: none was made) runs on these tensors:
+    at least HALF_TUNED_MIN_TOKENS rows, each tensor as cuBLASLt's heuristic
+    assumes it (engine/cublaslt.aligned), and a plan for their token count
+    (made now, before any capture: engine/cuda_graphs runs each shape
+    eagerly first)."""
+    if gemm is None or len(tensors[0]) < HALF_TUNED_MIN_TOKENS:
         return False
-    aligned = all(t.is_contiguous() and t.data_ptr() % 256 == 0 for t in tensors)
-    return aligned and gemm.runs(len(tensors[0]))
+    return all(map(aligned, tensors)) and gemm.runs(len(tensors[0]))
 
 
 def _fp8_ready(layer: EncoderLayer) -> bool:
