@@ -15,9 +15,10 @@ Run on the device machine (scripts/gpu_run.sh runs it with $OUT set)::
    attention output's or FFN-out's projection in fp16, or take a scale per
    token.
 2. Speed: a BERT-base-sized encoder (12 x 768, random weights) at batch 128,
-   length 128, each variant captured in one CUDA graph and replayed;
-   sequences/s from CUDA events. The baseline ("fp16 engine") is the engine's
-   own fused fp16 forward (engine/fused.py).
+   length 128, every row full, each variant captured in one CUDA graph and
+   replayed; sequences/s from CUDA events. The baseline ("fp16 engine") is
+   the engine's own fused fp16 forward (engine/fused.py); the fused variants
+   run as the engine serves full rows (its full-row attention).
 
 Writes ``quant_h200.json`` (to --out, else $OUT/, else benchmarks/results/)
 after every stage, so a run cut short keeps what it measured; prints a
@@ -37,6 +38,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
@@ -240,11 +242,17 @@ def bert_base(device: torch.device) -> ServedModel:
 def graph_speed(
     forward: Forward, batch: int, length: int, iters: int, device: torch.device
 ) -> tuple[float, float, torch.Tensor]:
-    """(sequences/s, ms per batch, output) of ``forward`` in one CUDA graph."""
+    """(sequences/s, ms per batch, output) of ``forward`` in one CUDA graph,
+    every row full. A fused forward runs as the engine serves such a batch:
+    its full-row attention chosen (``choose_full_rows``), told that every row
+    is full (the ladder's top rung, engine/cuda_graphs.py)."""
     gen = torch.Generator(device="cpu").manual_seed(1)
     ids = torch.randint(1000, 29000, (batch, length), generator=gen, dtype=torch.int32)
     ids, lens = ids.to(device), torch.full((batch,), length, device=device)
     lens = lens.to(torch.int32)
+    if isinstance(forward, FusedForward):
+        forward.choose_full_rows(batch, length)
+        forward = partial(forward, tokens=batch * length)
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.inference_mode(), torch.cuda.stream(side):

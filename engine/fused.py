@@ -103,8 +103,8 @@ class HalfLayer(NamedTuple):
     (shapes without berth's few-token tiles), as cuBLASLt calls with an
     algorithm timed per token count (engine/cublaslt.HalfGemm): QKV with its
     bias, FFN-in with its bias and, where cuBLASLt computes it (ReLU, GELU's
-    tanh form), its activation, and the two products followed by a residual
-    added to it in place. None: torch's product."""
+    tanh form), its activation, and in fp16 the two products followed by a
+    residual added to it in place (``_adds_residual``). None: torch's product."""
 
     qkv: HalfGemm | None
     out: HalfGemm | None
@@ -229,13 +229,18 @@ class FusedForward:
                 plans.append(None)
                 continue
             att = layer.attention
+            out, ffn_out = (
+                (half_gemm(linear, EPILOGUE_DEFAULT, accumulate=True) for linear in
+                 (att.out, layer.ffn_out))
+                if _adds_residual(layer.ffn_out.weight) else (None, None)
+            )  # fmt: skip
             plans.append(
                 HalfLayer(
                     qkv=half_gemm(att.qkv),
-                    out=half_gemm(att.out, EPILOGUE_DEFAULT, accumulate=True),
+                    out=out,
                     ffn_in=half_gemm(layer.ffn_in, act_epilogue or EPILOGUE_BIAS),
                     ffn_in_act=act_epilogue is not None,
-                    ffn_out=half_gemm(layer.ffn_out, EPILOGUE_DEFAULT, accumulate=True),
+                    ffn_out=ffn_out,
                 )
             )
         made = [p for p in plans if p is not None]
@@ -683,7 +688,7 @@ class FusedForward:
         pdl = self._dependent(len(x))
         if not isinstance(linear, nn.Linear):  # a quantized layer (FP8)
             out = linear(x)
-        elif tiles is None and kernels.use_triton(x):
+        elif tiles is None and _adds_residual(residual) and kernels.use_triton(x):
             # cuBLAS adds the residual (beta = 1, in place) and the LayerNorm
             # reads one tensor, not two: 1-2.6 % of a packed 64-256 x 64-128
             # batch on the H200 (notes/gpu.md, session 17).
@@ -767,6 +772,16 @@ class FusedForward:
                 0, (batch + 1) * length, length, dtype=torch.int32, device=device
             )
         return self._starts[key]
+
+
+def _adds_residual(residual: torch.Tensor) -> bool:
+    """Whether a projection may add its product into the residual in cuBLAS
+    (``_project_norm``): in fp16 only. The sum is rounded to the residual's
+    type there, before the LayerNorm; bf16's 8-bit mantissa made that cost 3
+    of the intent model's 784 answers against float32, where rounding the
+    product alone and adding in the LayerNorm's float32 cost none (H200,
+    notes/gpu.md, session 19)."""
+    return residual.dtype == torch.float16
 
 
 def _takes(gemm: HalfGemm | None, *tensors: torch.Tensor) -> TypeGuard[HalfGemm]:

@@ -916,6 +916,27 @@ def test_tuned_products_serve_what_torchs_do(refs: Fixtures) -> None:
                 assert cos.min() > 0.9999
 
 
+def test_bf16_layers_add_the_residual_in_float32(refs: Fixtures) -> None:
+    """bf16 layers take the timed QKV and FFN-in products but add their
+    projections to the residual in the LayerNorm, in float32 (rounded to
+    bf16 with the residual in cuBLAS, 3 intent answers of 784 flipped), and
+    their forward at a tuned token count is the model's own."""
+    from engine.model import load_served_model
+
+    served = load_served_model(
+        refs.entries["intent"], torch.device("cuda"), torch.bfloat16
+    )
+    forward = FusedForward(served)
+    for half in forward.half:
+        assert half is not None and half.qkv is not None and half.ffn_in is not None
+        assert half.out is None and half.ffn_out is None
+    ids, lengths = random_batch(64, 64, served.encoder.config.vocab_size, seed=3)
+    ids_d, lengths_d = torch.from_numpy(ids).cuda(), torch.from_numpy(lengths).cuda()
+    with torch.inference_mode():
+        got, want = forward(ids_d, lengths_d).float(), served(ids_d, lengths_d).float()
+    assert torch.nn.functional.cosine_similarity(got, want).min() > 0.999
+
+
 @pytest.mark.parametrize("act", [0, 1, 2, 3])
 def test_e4m3_kernels_equal_torchs_conversion(act: int) -> None:
     """engine/kernels' e4m3 writers round and saturate as torch's cast does,
