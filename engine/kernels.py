@@ -869,7 +869,7 @@ def _preloaded(
 # one loop kernel among the preloading ones cost more than the plan saves
 # (0.88x): the plan is taken whole. Rows: (block_m, block_n, K chunk, split,
 # warps) at up to 16, 32, 64 and 128 tokens (_preloaded).
-_BERT_BASE_IN = [  # QKV and FFN-in
+_BERT_BASE_IN = [  # QKV, and FFN-in but at up to 64 tokens
     (16, 32, 256, 1, 8),
     (32, 32, 256, 1, 4),
     (64, 32, 256, 1, 4),
@@ -878,25 +878,35 @@ _BERT_BASE_IN = [  # QKV and FFN-in
 _BLOCK_M = (16, 32, 64, 64)  # every MiniLM projection
 PRELOAD_LINEAR: dict[tuple[str, int], list[tuple[int, LinearConfig]]] = {
     ("qkv", 768): _preloaded(_BERT_BASE_IN),
-    ("ffn_in", 768): _preloaded(_BERT_BASE_IN),
-    # 64 columns a program, K in 4 slices of 64-wide chunks up to 64 tokens
-    # and 2 of 128 at 128. With x read one chunk ahead (session 17's probes,
+    # FFN-in on 64 columns at up to 64 tokens: 1 x 64 1.023x in session 18's
+    # tile search (benchmarks/preload_tiles.py), confirmed in session 19's.
+    ("ffn_in", 768): _preloaded(
+        [*_BERT_BASE_IN[:2], (64, 64, 256, 1, 4), _BERT_BASE_IN[3]]
+    ),
+    # 64 columns a program. With x read one chunk ahead (session 17's probes,
     # whole forwards in turn, against 32 columns in 2 slices of 128): 1 x 16
     # to 1 x 64 0.4-1.4 % faster, 1 x 128 and 8 x 16 2.9-4.6 % (4 slices gave
     # those two 0.2-1.2 %). With the earlier kernel every change was slower.
+    # K in 8 slices of 32-wide chunks up to 32 tokens (1 x 16 1.021x, 1 x 32
+    # 1.024x against 4 of 64 in session 18's tile search, confirmed in session
+    # 19's), 4 of 64 at 64 and 2 of 128 at 128.
     ("out", 768): _preloaded(
         [
-            (16, 64, 64, 4, 4),
-            (32, 64, 64, 4, 4),
+            (16, 64, 32, 8, 4),
+            (32, 64, 32, 8, 4),
             (64, 64, 64, 4, 4),
             (64, 64, 128, 2, 4),
         ]
     ),
+    # K in 12 slices of 128-wide chunks up to 64 tokens (1 x 16 1.018x, 1 x 32
+    # 1.012x, 1 x 64 1.017x against 6 of 256 in session 19's tile search, on
+    # the attention-out and FFN-in tiles above; confirmed in a second run),
+    # 6 of 256 at 128.
     ("ffn_out", 768): _preloaded(
         [
-            (16, 64, 256, 6, 8),
-            (32, 64, 256, 6, 4),
-            (64, 64, 256, 6, 4),
+            (16, 64, 128, 12, 8),
+            (32, 64, 128, 12, 4),
+            (64, 64, 128, 12, 4),
             (128, 64, 256, 6, 8),
         ]
     ),

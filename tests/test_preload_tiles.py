@@ -43,3 +43,22 @@ def test_neighbours_include_the_tiles_session_17_found() -> None:
     before_16 = LinearConfig(16, 32, 128, 2, 4, preload=True)
     found = neighbours(before_16, "out", 768, 16).values()
     assert LinearConfig(16, 32, 64, 4, 4, preload=True) in found
+
+
+def test_the_tiles_session_19_took_are_a_step_from_those_before() -> None:
+    """The few-token tiles taken from session 19's tile search are what it
+    timed: one step from the tile each replaced, and that tile one step from
+    them (each check timed the old tile as the new one's neighbour)."""
+    taken = [
+        ("out", 768, 16, LinearConfig(16, 64, 64, 4, 4, preload=True)),
+        ("out", 768, 32, LinearConfig(32, 64, 64, 4, 4, preload=True)),
+        ("ffn_in", 768, 64, LinearConfig(64, 32, 256, 1, 4, preload=True)),
+        ("ffn_out", 3072, 16, LinearConfig(16, 64, 256, 6, 8, preload=True)),
+        ("ffn_out", 3072, 64, LinearConfig(64, 64, 256, 6, 4, preload=True)),
+    ]
+    for projection, k, tokens, before in taken:
+        table = PRELOAD_LINEAR[(projection, 768)]
+        now = next(config for limit, config in table if tokens <= limit)
+        assert now != before
+        assert now in neighbours(before, projection, k, tokens).values()
+        assert before in neighbours(now, projection, k, tokens).values()
