@@ -437,7 +437,7 @@ def record_inputs(
 # Added to X^T X, as a share of its mean diagonal: Hugging Face's GPTQConfig
 # default (the paper's is 0.01). With it and the columns in act-order, the
 # default intent model's FP8 answers have the lowest KL divergence from
-# float32 of the six GPTQ settings timed on the H200 (notes/gpu.md, session 19).
+# float32 of six GPTQ settings measured on the H200 (notes/gpu.md, session 19).
 GPTQ_DAMP = 0.1
 GPTQ_BLOCK = 128  # columns whose errors are spread lazily, together
 
