@@ -229,11 +229,10 @@ class FusedForward:
                 plans.append(None)
                 continue
             att = layer.attention
-            out, ffn_out = (
-                (half_gemm(linear, EPILOGUE_DEFAULT, accumulate=True) for linear in
-                 (att.out, layer.ffn_out))
-                if _adds_residual(layer.ffn_out.weight) else (None, None)
-            )  # fmt: skip
+            out = ffn_out = None
+            if _adds_residual(layer.ffn_out.weight):
+                out = half_gemm(att.out, EPILOGUE_DEFAULT, accumulate=True)
+                ffn_out = half_gemm(layer.ffn_out, EPILOGUE_DEFAULT, accumulate=True)
             plans.append(
                 HalfLayer(
                     qkv=half_gemm(att.qkv),
