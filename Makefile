@@ -10,7 +10,7 @@ REPO   ?= model_repository
 # default build.
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: run test lint venv models bench clean
+.PHONY: run test lint venv models bench mutations clean
 
 venv: $(VENV)/.installed
 
@@ -44,6 +44,10 @@ lint: venv
 
 test: venv models lint
 	HF_HUB_OFFLINE=1 BERTH_MODEL_REPOSITORY=$(abspath $(REPO)) $(PY) -m pytest -q
+
+# Break one behaviour at a time (tests/mutations.toml); each must fail its tests.
+mutations: venv models
+	HF_HUB_OFFLINE=1 BERTH_MODEL_REPOSITORY=$(abspath $(REPO)) $(PY) scripts/mutations.py
 
 bench: venv models
 	$(PY) benchmarks/batcher.py

@@ -277,7 +277,12 @@ class ModelScheduler:
                 span = TRACER.start_span(
                     "batcher.queue",
                     context=parent,
-                    attributes={"berth.model": self.name},
+                    # The caller's deadline as the gateway passed it on
+                    # (0: none).
+                    attributes={
+                        "berth.model": self.name,
+                        "berth.timeout_ms": group.timeout_ms,
+                    },
                 )
             self.waiters[key] = Waiter(reply_id, deliver, now, span)
         metrics.QUEUE_DEPTH.labels(self.name).set(len(self.core))

@@ -21,6 +21,13 @@ Rates are given as fractions of the offline throughput (--rates) or in
 requests per second (--rps). Each step is bounded by --duration seconds
 and --max-requests calls. Texts are a realistic mix: mostly short
 assistant-style queries, a long tail of paragraphs (lognormal lengths).
+
+The offline baseline is measured in the run (phase 1) unless
+--offline-throughput gives one. A given baseline is labelled as given
+wherever it appears: in the JSON ("offline": {"source": "given", ...},
+"baseline_given": true, "baseline_note", each profile's
+"served_over_offline_against") and on every printed line that quotes it
+or a ratio against it ("served/given baseline = ...").
 """
 
 from __future__ import annotations
@@ -108,6 +115,41 @@ def token_lengths(texts: list[str], tokenizer_file: Path) -> np.ndarray:
 
 # ---- offline ----------------------------------------------------------------
 
+GIVEN_NOTE = (
+    "given on the command line (--offline-throughput), not measured in this run"
+)
+MEASURED_NOTE = "measured in this run, before any server started"
+
+
+def baseline(
+    given: float | None, checkpoint: Path, texts: list[str], batch_size: int
+) -> dict[str, Any]:
+    """Phase 1: the offline baseline, measured here on ``texts`` unless one
+    is given (--offline-throughput), which is then labelled as given."""
+    if given is not None:
+        return {
+            "source": "given",
+            "given": True,
+            "throughput": given,
+            "note": GIVEN_NOTE,
+        }
+    return offline(checkpoint, texts, batch_size)
+
+
+def baseline_label(base: dict[str, Any]) -> str:
+    """Which baseline this is, for every line that quotes it or a ratio."""
+    if base.get("given"):
+        return f"a GIVEN baseline of {base['throughput']:.1f} texts/s, {GIVEN_NOTE}"
+    return (
+        f"the baseline measured in this run, {base['throughput']:.1f} texts/s "
+        f"({base['implementation']}, batch {base['batch_size']}, "
+        f"{base['texts']} of the same texts)"
+    )
+
+
+def ratio_name(base: dict[str, Any]) -> str:
+    return "served/given baseline" if base.get("given") else "served/offline"
+
 
 def offline(checkpoint: Path, texts: list[str], batch_size: int) -> dict[str, Any]:
     """sentence-transformers on the same texts, in process: texts per second.
@@ -145,6 +187,9 @@ def offline(checkpoint: Path, texts: list[str], batch_size: int) -> dict[str, An
     encode(texts)
     seconds = time.perf_counter() - start
     return {
+        "source": "measured",
+        "given": False,
+        "note": MEASURED_NOTE,
         "implementation": implementation,
         "device": device,
         "dtype": "float16" if device == "cuda" else "float32",
@@ -772,7 +817,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--offline-throughput",
         type=float,
-        help="skip phase 1 and use this texts/s (quick tuning runs only)",
+        help="skip phase 1 and use this texts/s as the baseline (quick tuning "
+        "runs only); the results then say the baseline was given, not measured",
     )
     custom = parser.add_argument_group(
         "a custom profile (measured as 'custom' when any of these is given)"
@@ -804,7 +850,10 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=8)
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.offline_throughput is not None and args.offline_throughput <= 0:
+        parser.error("--offline-throughput must be positive")
+    return args
 
 
 def profiles_of(args: argparse.Namespace) -> list[Profile]:
@@ -994,6 +1043,75 @@ def serve_and_measure(
     return steps
 
 
+def rates_about(args: argparse.Namespace, base: dict[str, Any]) -> str:
+    if args.rps:
+        return f"rate steps in requests/s (--rps {args.rps})"
+    return f"rate steps {args.rates} x the offline throughput: {baseline_label(base)}"
+
+
+def profile_result(
+    profile: Profile, steps: list[Step], base: dict[str, Any]
+) -> dict[str, Any]:
+    """One profile's steps, its best clean throughput and that over the
+    baseline, saying which baseline."""
+    clean = [s for s in steps[:-1] if s.ok and (s.shed + s.errors) <= 0.01 * s.sent]
+    best = max((s.throughput for s in clean), default=0.0)
+    return {
+        "profile": asdict(profile),
+        "steps": [asdict(s) for s in steps],
+        "served_best_throughput": best,
+        "served_over_offline": round(best / base["throughput"], 3),
+        "served_over_offline_against": baseline_label(base),
+    }
+
+
+def report(base: dict[str, Any], results: dict[str, Any], api: str, rates: str) -> str:
+    """The summary printed at the end: the baseline, then each profile's
+    table and its ratio, each saying which baseline it is against."""
+    lines = [f"\noffline baseline: {baseline_label(base)}", rates]
+    for name, result in results.items():
+        steps = [Step(**s) for s in result["steps"]]
+        hit, first = steps[-1], steps[0]
+        profile = result["profile"]
+        about = profile["about"] + "".join(
+            f" {key}={value}"
+            for key in ("engines", "gateways", "batchers", "buckets")
+            if (value := profile[key])
+        )
+        settings = " ".join(f"{k}={v}" for k, v in profile["env"].items())
+        lines.append(f"\n== {name}: {about}{' ' + settings if settings else ''}")
+        lines.append(table(steps))
+        lines.append(
+            f"served single-text requests ({api}): "
+            f"{result['served_best_throughput']:.1f} "
+            f"texts/s (best step with <= 1% shed+errors); {ratio_name(base)} = "
+            f"{result['served_over_offline']:.2f}, against {baseline_label(base)}"
+        )
+        lines.append(
+            f"cache hit path at {hit.rate:.0f} req/s: p50 {hit.p50_ms:.2f} ms, "
+            f"p99 {hit.p99_ms:.2f} ms (from the actual send: p50 "
+            f"{hit.p50_from_send_ms:.2f}, p99 {hit.p99_from_send_ms:.2f}); misses "
+            f"at that rate: p50 {first.p50_ms:.2f} ms, p99 {first.p99_ms:.2f} ms"
+        )
+    return "\n".join(lines)
+
+
+def document(
+    base: dict[str, Any], results: dict[str, Any], **fields: Any
+) -> dict[str, Any]:
+    """The JSON written with --out: ``fields`` (machine, command, ...), the
+    baseline and whether it was given, and the profiles' results."""
+    return {
+        "benchmark": "benchmarks/e2e.py",
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        **fields,
+        "baseline_given": bool(base.get("given")),
+        "baseline_note": GIVEN_NOTE if base.get("given") else MEASURED_NOTE,
+        "offline": base,
+        "profiles": results,
+    }
+
+
 def main() -> int:
     args = parse_args()
     sys.path.insert(0, str(ROOT))
@@ -1023,13 +1141,13 @@ def main() -> int:
     print(f"text mix: {mix}", flush=True)
 
     # 1. Offline, before any server runs, so it has the machine to itself.
-    if args.offline_throughput:
-        base: dict[str, Any] = {"throughput": args.offline_throughput, "given": True}
-    else:
-        base = offline(
-            entry.checkpoint_dir, pool[: args.offline_texts], args.batch_size
-        )
-    print(f"offline sentence-transformers: {base}", flush=True)
+    base = baseline(
+        args.offline_throughput,
+        entry.checkpoint_dir,
+        pool[: args.offline_texts],
+        args.batch_size,
+    )
+    print(f"offline baseline: {baseline_label(base)}: {base}", flush=True)
     if args.rps:
         rates = [float(r) for r in args.rps.split(",")]
     else:
@@ -1039,64 +1157,29 @@ def main() -> int:
     for profile in profiles:
         print(f"\n== {profile.name}: {profile.about}", flush=True)
         steps = serve_and_measure(profile, args, repository, pool, rates)
-        clean = [s for s in steps[:-1] if s.ok and (s.shed + s.errors) <= 0.01 * s.sent]
-        best = max((s.throughput for s in clean), default=0.0)
         key, n = profile.name, 1
         while key in results:  # the same profile twice: each its own entry
             n += 1
             key = f"{profile.name} #{n}"
-        results[key] = {
-            "profile": asdict(profile),
-            "steps": [asdict(s) for s in steps],
-            "served_best_throughput": best,
-            "served_over_offline": round(best / base["throughput"], 3),
-        }
+        results[key] = profile_result(profile, steps, base)
 
-    print(
-        f"\noffline sentence-transformers, batch {args.batch_size}, same texts: "
-        f"{base['throughput']:.1f} texts/s"
-    )
-    for name, result in results.items():
-        steps = [Step(**s) for s in result["steps"]]
-        hit, first = steps[-1], steps[0]
-        profile = result["profile"]
-        about = profile["about"] + "".join(
-            f" {key}={value}"
-            for key in ("engines", "gateways", "batchers", "buckets")
-            if (value := profile[key])
-        )
-        settings = " ".join(f"{k}={v}" for k, v in profile["env"].items())
-        print(f"\n== {name}: {about}{' ' + settings if settings else ''}")
-        print(table(steps))
-        print(
-            f"served single-text requests ({args.api}): "
-            f"{result['served_best_throughput']:.1f} "
-            "texts/s (best step with <= 1% shed+errors); served/offline = "
-            f"{result['served_over_offline']:.2f}"
-        )
-        print(
-            f"cache hit path at {hit.rate:.0f} req/s: p50 {hit.p50_ms:.2f} ms, "
-            f"p99 {hit.p99_ms:.2f} ms (from the actual send: p50 "
-            f"{hit.p50_from_send_ms:.2f}, p99 {hit.p99_from_send_ms:.2f}); misses "
-            f"at that rate: p50 {first.p50_ms:.2f} ms, p99 {first.p99_ms:.2f} ms"
-        )
+    print(report(base, results, args.api, rates_about(args, base)))
     if args.out:
-        document = {
-            "benchmark": "benchmarks/e2e.py",
-            "date": datetime.now(UTC).isoformat(timespec="seconds"),
-            "machine": info,
-            "command": " ".join(["python", *sys.argv]),
-            "model": args.model,
-            "api": "berth.v1.Berth/Embed, one text per call"
+        out = document(
+            base,
+            results,
+            machine=info,
+            command=" ".join(["python", *sys.argv]),
+            model=args.model,
+            api="berth.v1.Berth/Embed, one text per call"
             if args.api == "unary"
             else "berth.v1.Berth/Stream, one text per request, a stream per "
             f"connection ({args.connections} per client process)",
-            "text_mix": mix,
-            "offline": base,
-            "profiles": results,
-        }
+            rates=rates_about(args, base),
+            text_mix=mix,
+        )
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(document, indent=2) + "\n")
+        args.out.write_text(json.dumps(out, indent=2) + "\n")
         print(f"wrote {args.out}")
     return 0
 

@@ -36,6 +36,7 @@
 # the stack);
 # BENCH_ARGS goes to benchmarks/engine.py (e.g. "--quick --models bert-base");
 # GPU_TESTS_K picks gpu tests by pytest's -k (e.g. "cublaslt or direct").
+# GPU_TESTS_TIMEOUT_S bounds the gpu tests stage (default 420 s).
 #
 # Carried, because the device machine reaches no registry:
 #   .whl/             cp312 wheels of grpcio>=1.85.1 (our stubs need it; the
@@ -69,7 +70,7 @@ tail -n 3 "$OUT/setup.log"
 
 if [[ " $STAGES " == *" tests "* ]]; then
   files=$(grep -rl "pytest.mark.gpu" tests --include='*.py' | sort)
-  timeout 300 $PY -m pytest -m gpu -p no:cacheprovider -q -rA $files \
+  timeout "${GPU_TESTS_TIMEOUT_S:-420}" $PY -m pytest -m gpu -p no:cacheprovider -q -rA $files \
     ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} \
     > "$OUT/gpu_tests.log" 2>&1
   echo "gpu tests: exit $?"

@@ -41,6 +41,33 @@ def test_truncate_is_part_of_the_key() -> None:
     assert cache.get(True, "long text") is not None
 
 
+# Texts that agree on a long prefix, differ only in case, whitespace or one
+# character at either end, or are equal only after Unicode normalization: a
+# key made of less than the whole exact text answers one with another's row.
+NEAR_DUPLICATES = [
+    "the quarterly report is due on friday, please send it to finance " * 3,
+    "the quarterly report is due on friday, please send it to finance " * 3 + "!",
+    "the quarterly report is due on friday, please send it to finance " * 3 + " ",
+    "The quarterly report is due on friday, please send it to finance " * 3,
+    "the quarterly report is due on friday, please send it to finance " * 2,
+    "café au lait",  # composed é
+    "cafe\u0301 au lait",  # e + combining accent: the same text once normalized
+    "word " * 200,
+    "word " * 199 + "worm",
+]
+
+
+def test_near_duplicates_have_entries_of_their_own() -> None:
+    cache = ModelCache(max_entries=100, max_bytes=1 << 20)
+    for i, text in enumerate(NEAR_DUPLICATES):
+        assert cache.get(False, text) is None, f"{i} hit before it was put"
+        cache.put(False, text, row(i), i + 1)
+    assert len(cache) == len(NEAR_DUPLICATES)
+    for i, text in enumerate(NEAR_DUPLICATES):
+        found = cache.get(False, text)
+        assert found is not None and found[0][0] == i and found[1] == i + 1, i
+
+
 def test_byte_bound_evicts_and_too_big_entries_are_skipped() -> None:
     one = row(0, 256).nbytes + ENTRY_OVERHEAD_BYTES + 100
     cache = ModelCache(max_entries=100, max_bytes=3 * one)
@@ -154,6 +181,32 @@ def test_repeated_text_is_a_hit_with_the_same_answer(
     np.testing.assert_allclose(
         vector / np.linalg.norm(vector), miss.embeddings[0].values, atol=1e-6
     )
+
+
+def test_near_duplicate_texts_are_answered_as_themselves(
+    client: berth_pb2_grpc.BerthStub,
+) -> None:
+    """Each near-duplicate, sent after all the others are cached, gets the
+    row it gets when it is the only text the cache has not seen."""
+    tag = uuid.uuid4().hex
+    texts = [f"{tag} {text}" for text in NEAR_DUPLICATES]
+    first = embed(client, texts)  # every text a miss: each computed itself
+    assert first.timings.inference_us > 0
+    again = embed(client, texts)  # every text a hit
+    assert again.timings.inference_us == 0
+    for i, (a, b) in enumerate(zip(first.embeddings, again.embeddings, strict=True)):
+        assert list(a.values) == list(b.values), f"texts[{i}] got another's row"
+        assert a.tokens == b.tokens
+    # Texts the model tells apart (their token ids differ: the uncased
+    # tokenizer folds case, accents and edge whitespace) got different rows.
+    request = berth_pb2.TokenizeRequest(model="minilm", texts=texts)
+    ids = [tuple(r.ids) for r in client.Tokenize(request, timeout=60).results]
+    rows = [tuple(e.values) for e in first.embeddings]
+    assert len(set(ids)) >= 5, "the near-duplicates must differ as tokens too"
+    for i in range(len(texts)):
+        for j in range(i):
+            if ids[i] != ids[j]:
+                assert rows[i] != rows[j], f"texts[{i}] and texts[{j}] share a row"
 
 
 def test_cached_truncation_does_not_skip_the_limit(

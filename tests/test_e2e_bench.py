@@ -1,5 +1,7 @@
 """benchmarks/e2e.py's load generator: where its connections go, what it
-reads from the services' metrics, and a short Stream load run for real."""
+reads from the services' metrics, how its offline baseline is labelled
+(measured in the run, or given on the command line), and a short Stream
+load run for real."""
 
 from __future__ import annotations
 
@@ -9,9 +11,24 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from benchmarks.e2e import Plan, connection_targets, pipeline, read_metrics
+from benchmarks.e2e import (
+    Plan,
+    Profile,
+    Step,
+    baseline,
+    connection_targets,
+    document,
+    make_texts,
+    parse_args,
+    pipeline,
+    profile_result,
+    read_metrics,
+    report,
+)
+from services.repository import load_repository
 from tests.stack import ROOT, Stack
 
 
@@ -149,6 +166,80 @@ def test_gpu_busy_is_each_engine_s_share(tmp_path: Path) -> None:
     assert pipeline(before, read(), wall_s=1.0)["gpu_busy"] == 0.5
 
 
+def served_steps() -> list[Step]:
+    """A profile's steps as a run records them: two rate steps, the cache."""
+    return [
+        Step("served 1", 1000.0, sent=1000, ok=1000, throughput=982.0),
+        Step("served 2", 15000.0, sent=60000, ok=60000, throughput=14867.0),
+        Step("cache hits", 1000.0, sent=1000, ok=1000, throughput=1012.0),
+    ]
+
+
+def ratio_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if "served/" in line]
+
+
+def test_a_given_baseline_is_labelled_given_in_the_json_and_the_table(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--offline-throughput: nothing is encoded, and the JSON, the line
+    under each table and every ratio say the baseline was given, not
+    measured, and its value."""
+    base = baseline(4247.0, Path("/nonexistent"), [], 128)  # never encodes
+    assert base["source"] == "given" and base["given"] is True
+    results = {"hybrid": profile_result(Profile("hybrid", "h"), served_steps(), base)}
+    doc = json.loads(json.dumps(document(base, results, model="bert-base")))
+    assert doc["offline"] == base
+    assert doc["baseline_given"] is True
+    assert "not measured in this run" in doc["baseline_note"]
+    hybrid = doc["profiles"]["hybrid"]
+    assert hybrid["served_over_offline"] == 3.501  # 14,867 / 4,247
+    assert "GIVEN baseline of 4247.0 texts/s" in hybrid["served_over_offline_against"]
+    assert "not measured" in hybrid["served_over_offline_against"]
+
+    text = report(base, results, "stream", "rate steps in requests/s (--rps 1000)")
+    assert "offline baseline: a GIVEN baseline of 4247.0 texts/s" in text
+    assert ratio_lines(text), text
+    for line in ratio_lines(text):
+        assert "served/given baseline = 3.50" in line, line
+        assert "GIVEN baseline of 4247.0 texts/s" in line, line
+        assert "not measured in this run" in line, line
+    assert "measured in this run" not in text.replace("not measured in this run", "")
+
+    # A baseline of nothing is refused, not taken as "measure one".
+    monkeypatch.setattr(sys, "argv", ["e2e.py", "--offline-throughput", "0"])
+    with pytest.raises(SystemExit):
+        parse_args()
+
+
+def test_without_a_given_baseline_the_run_measures_one(
+    repository: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """By default phase 1 encodes the texts offline in the run (here a few,
+    on the CPU), and the results say the baseline was measured."""
+    monkeypatch.setattr(sys, "argv", ["e2e.py"])
+    args = parse_args()
+    assert args.offline_throughput is None
+    entry = load_repository(repository)["minilm"]
+    base = baseline(
+        args.offline_throughput, entry.checkpoint_dir, make_texts(48, 1), 16
+    )
+    assert base["source"] == "measured" and base["given"] is False
+    assert base["texts"] == 48 and base["throughput"] > 0 and base["seconds"] > 0
+
+    results = {"stock": profile_result(Profile("stock", "s"), served_steps(), base)}
+    doc = json.loads(json.dumps(document(base, results, model="minilm")))
+    assert doc["baseline_given"] is False
+    assert doc["baseline_note"].startswith("measured in this run")
+    text = report(base, results, "unary", "rate steps 0.5 x the offline throughput")
+    assert "GIVEN" not in text and "given baseline" not in text
+    value = f"{base['throughput']:.1f} texts/s"
+    assert f"offline baseline: the baseline measured in this run, {value}" in text
+    for line in ratio_lines(text):
+        assert "served/offline = " in line, line
+        assert f"against the baseline measured in this run, {value}" in line, line
+
+
 def test_stream_load_answers_every_request_over_several_streams(
     stack: Stack, repository: Path, tmp_path: Path
 ) -> None:
@@ -169,7 +260,10 @@ def test_stream_load_answers_every_request_over_several_streams(
         timeout=300,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    steps = json.loads(out.read_text())["profiles"]["external"]["steps"]
+    doc = json.loads(out.read_text())
+    assert doc["baseline_given"] is True and doc["offline"]["source"] == "given"
+    assert "served/given baseline = " in done.stdout, done.stdout[-3000:]
+    steps = doc["profiles"]["external"]["steps"]
     assert [s["name"] for s in steps] == ["served 1", "cache hits"]
     for step in steps:
         assert step["sent"] == step["ok"] == 150, step

@@ -298,6 +298,7 @@ def test_a_large_fallback_call_leaves_the_gateway_answering(
         with grpc.insecure_channel(gateway.address) as channel:
             stub = berth_pb2_grpc.BerthStub(channel)
             assert stub.Embed(EMBED, timeout=30).degraded  # warm
+            began = time.monotonic()
             pending = stub.Embed.future(big, timeout=60)
             small: list[float] = []
             while not pending.done():  # small calls all through the big one
@@ -306,8 +307,11 @@ def test_a_large_fallback_call_leaves_the_gateway_answering(
                 small.append(time.monotonic() - t0)
                 time.sleep(0.02)
             assert len(pending.result().embeddings) == 256
+            took = time.monotonic() - began
     assert len(small) >= 3, small  # the big call took a while
-    assert max(small) < 0.6, small  # on the loop: 0.8-1.0 s behind it
+    # On the loop, a small call waited for most of the big one; off it, for
+    # a small part of it, however loaded the machine is.
+    assert max(small) < 0.4 * took, (took, small)
 
 
 STARTUP_WAIT_S = 5.0

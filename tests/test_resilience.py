@@ -19,6 +19,7 @@ from tests.batcher.test_stuck_engine import (
     started,
     stopped,
 )
+from tests.waits import until
 
 
 class Clock:
@@ -193,8 +194,7 @@ def test_a_scheduler_drained_before_it_started_refuses_work() -> None:
         pool = EnginePool([address], slots_per_engine=1)
         pool.start()
         try:
-            while not pool.serving(ENTRY.name):
-                await asyncio.sleep(0.01)
+            await until(lambda: pool.serving(ENTRY.name), "the engine serving")
             scheduler = ModelScheduler(ENTRY, pool, SchedulerConfig())
             await scheduler.drain()
             answers: list[str] = []

@@ -23,35 +23,45 @@ def test_sigterm_finishes_in_flight_calls(repository: Path) -> None:
         stack.wait_serving()
         assert "batcher core: python" in stack.logs()
         outcomes: list[str] = []
+        finished: list[float] = []
         lock = threading.Lock()
-        # ~100 tokens each: a few seconds of work for two CPU engines.
-        text = " ".join(["a long enough sentence to take the engine a while"] * 10)
+        # ~400 tokens each, 8 a call: seconds of work for two CPU engines,
+        # so the calls are still running when the gateway's lame duck ends.
+        text = " ".join(["a long enough sentence to take the engine a while"] * 40)
 
         def call() -> None:
             with grpc.insecure_channel(stack.gateway) as channel:
                 stub = berth_pb2_grpc.BerthStub(channel)
                 try:
                     reply = stub.Embed(
-                        berth_pb2.EmbedRequest(model="minilm", texts=[text] * 8),
-                        timeout=60,
+                        berth_pb2.EmbedRequest(
+                            model="minilm",
+                            texts=[f"{i} {text}" for i in range(8)],
+                        ),
+                        timeout=90,
                     )
                     result = f"ok:{len(reply.embeddings)}"
                 except grpc.RpcError as exc:
                     result = exc.code().name
             with lock:
                 outcomes.append(result)
+                finished.append(time.monotonic())
 
         threads = [threading.Thread(target=call) for _ in range(6)]
         for t in threads:
             t.start()
         time.sleep(0.5)  # the calls are in flight
+        signalled = time.monotonic()
         stack.proc.send_signal(signal.SIGTERM)
         for t in threads:
             t.join(90)
         code = stack.proc.wait(90)
     finally:
         stack.stop()
-    print("outcomes after SIGTERM:", outcomes)
+    after = [round(t - signalled, 2) for t in finished]
+    print("outcomes after SIGTERM:", outcomes, "finished after it (s):", after)
+    # The drain held calls that outlived the gateway's 0.5 s lame duck.
+    assert max(after) > 1.0, "no call outlived the lame duck: the test proves nothing"
     assert outcomes == ["ok:8"] * 6
     assert code == 0, stack.logs()
     logs = stack.logs()

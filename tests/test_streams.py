@@ -37,6 +37,7 @@ from tests.batcher.test_stuck_engine import (
     started,
     stopped,
 )
+from tests.waits import until
 
 BATCHER = internal_pb2.DESCRIPTOR.services_by_name["Batcher"].full_name
 
@@ -219,8 +220,7 @@ def test_a_gateway_that_hangs_up_mid_flight_leaves_no_waiter_behind() -> None:
                 call = internal_pb2_grpc.BatcherStub(channel).Submit()
                 messages = [sequence(i, 4 + i % 9) for i in range(1, 21)]
                 await call.write(internal_pb2.GatewayMessage(sequences=messages))
-                while len(scheduler.waiters) < 20:
-                    await asyncio.sleep(0.01)
+                await until(lambda: len(scheduler.waiters) >= 20, "20 queued")
                 queued = len(scheduler.waiters)
                 call.cancel()
             for _ in range(200):

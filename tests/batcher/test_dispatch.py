@@ -37,6 +37,7 @@ from engine.service import EngineService
 from engine.torch_backend import TorchBackend
 from services.proto.berth.v1 import internal_pb2, internal_pb2_grpc
 from services.repository import ModelEntry
+from tests.waits import until
 
 BUCKETS = [4, 8, 12, 16, 24, 32, 48, 64]
 
@@ -75,8 +76,9 @@ async def serving(
     for server in servers:
         await server.start()
     pool.start()
-    while len(pool.serving(scheduler.name)) < len(servers):
-        await asyncio.sleep(0.01)
+    await until(
+        lambda: len(pool.serving(scheduler.name)) == len(servers), "engines serving"
+    )
 
 
 def test_a_burst_of_ready_buckets_waits_for_free_slots(tiny: ModelEntry) -> None:
@@ -140,8 +142,8 @@ def test_a_busy_engine_is_not_ejected_when_a_queued_batch_loses_its_hedge(
         await asyncio.sleep(0.02)
         await spare_server.start()
         try:
-            while not answers:  # the short one, answered by its hedge
-                await asyncio.sleep(0.01)
+            # the short one, answered by its hedge
+            await until(lambda: answers, "the short batch answered by its hedge")
             ejections = pool.engines[0].failures
             release.set()
             while len(answers) < 2:
@@ -179,8 +181,7 @@ def test_no_hedge_goes_to_an_engine_whose_slots_are_full(tiny: ModelEntry) -> No
         hedged = scheduler.hedges.sent
         release.set()
         try:
-            while len(answers) < 4:
-                await asyncio.sleep(0.01)
+            await until(lambda: len(answers) == 4, "all 4 answered")
         finally:
             await scheduler.drain()
             await pool.close()
@@ -211,8 +212,7 @@ def test_a_batch_its_engine_does_not_answer_in_time_fails_clearly(
         answers: list[internal_pb2.SequenceResult] = []
         scheduler.submit(sequences(entry.name, [5]), answers.append)
         try:
-            while not answers:
-                await asyncio.sleep(0.01)
+            await until(lambda: answers, "the sequence answered")
             (client,) = pool.engines
             return answers, client.failures, client.ejected_until
         finally:
@@ -248,8 +248,7 @@ async def two_schedulers(
     await serving(schedulers[0], pool, server)
     submit(schedulers)
     try:
-        while not done():
-            await asyncio.sleep(0.01)
+        await until(done, "every sequence answered", 30)
     finally:
         for scheduler in schedulers:
             await scheduler.drain()

@@ -28,6 +28,7 @@ from batcher.engines import EnginePool
 from batcher.scheduler import ModelScheduler, SchedulerConfig
 from services.proto.berth.v1 import internal_pb2, internal_pb2_grpc
 from services.repository import ModelEntry
+from tests.waits import until
 
 ENTRY = ModelEntry(name="m", task="embed", checkpoint="", buckets=[8, 16])
 WIDTH = 4
@@ -131,8 +132,9 @@ async def started(
     scheduler = ModelScheduler(ENTRY, pool, config)
     scheduler.start()
     pool.start()
-    while len(pool.serving(ENTRY.name)) < len(engines):
-        await asyncio.sleep(0.01)
+    await until(
+        lambda: len(pool.serving(ENTRY.name)) == len(engines), "every engine serving"
+    )
     return scheduler, pool, servers
 
 
@@ -156,8 +158,8 @@ def test_a_queued_sequence_is_answered_at_its_deadline_while_its_engine_hangs(
     slots: int, max_delay_s: float
 ) -> None:
     """The engine hangs 2 s on a first batch. A second sequence, queued with
-    a 100 ms deadline, is answered DEADLINE_EXCEEDED within 100 ms of that
-    deadline, long before the engine answers: with every slot taken (the
+    a 100 ms deadline, is answered DEADLINE_EXCEEDED at that deadline, long
+    before the engine answers: with every slot taken (the
     loop formed no batch, so nothing dropped it), and with a slot free but
     the bucket waiting 1 s to fill (the loop slept until then)."""
 
@@ -172,13 +174,10 @@ def test_a_queued_sequence_is_answered_at_its_deadline_while_its_engine_hangs(
 
         try:
             scheduler.submit(sequence(1, 5), deliver)  # dispatched: hangs
-            while not engine.received:
-                await asyncio.sleep(0.005)
+            await until(lambda: engine.received, "the engine got the first batch")
             deadline = time.monotonic() + 0.1
             scheduler.submit(sequence(2, 6, timeout_ms=100), deliver)  # queued
-            async with asyncio.timeout(5):
-                while 2 not in answered:
-                    await asyncio.sleep(0.005)
+            await until(lambda: 2 in answered, "the queued sequence answered", 5)
         finally:
             await stopped(scheduler, pool, servers)
         return answered, deadline
@@ -188,7 +187,9 @@ def test_a_queued_sequence_is_answered_at_its_deadline_while_its_engine_hangs(
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
     late = at - deadline
     print(f"answered {late * 1000:.1f} ms after its deadline")
-    assert -0.005 < late < 0.1, f"answered {late:.3f} s after its deadline"
+    # Unfixed, it would be answered when the bucket's 1 s delay ends or the
+    # engine's 2 s hang does; 0.4 s tells those apart on a loaded machine.
+    assert -0.005 < late < 0.4, f"answered {late:.3f} s after its deadline"
     assert 1 not in answered or answered[1][1] > at  # the engine still hung
 
 
@@ -213,8 +214,7 @@ def test_a_hedge_counts_its_engine_slot_when_it_is_decided() -> None:
         codes: list[int] = []
         try:
             scheduler.submit(sequence(1, 5), lambda r: codes.append(r.code))
-            while not any(e.received for e in engines):
-                await asyncio.sleep(0.001)
+            await until(lambda: any(e.received for e in engines), "a first batch")
             spare = next(e for e in engines if not e.received)
             spare.delay_s = 0.1  # the hedge's engine answers quickly
             loop = asyncio.get_running_loop()
@@ -226,9 +226,7 @@ def test_a_hedge_counts_its_engine_slot_when_it_is_decided() -> None:
             )
             await asyncio.sleep(HEDGE_S - 0.1)
             time.sleep(0.3)  # both timers are due when the loop runs again
-            async with asyncio.timeout(5):
-                while len(codes) < 2:
-                    await asyncio.sleep(0.01)
+            await until(lambda: len(codes) == 2, "both requests answered", 5)
         finally:
             await stopped(scheduler, pool, servers)
         return scheduler.hedges.sent, [e.most_held for e in engines], codes
@@ -263,18 +261,15 @@ def test_a_hedge_frees_its_engine_slot_once_however_it_ends(
         codes: list[int] = []
         try:
             scheduler.submit(sequence(1, 5), lambda r: codes.append(r.code))
-            while not any(e.received for e in engines):
-                await asyncio.sleep(0.001)
+            await until(lambda: any(e.received for e in engines), "a first batch")
             spare = next(e for e in engines if not e.received)
             spare.delay_s, spare.fails = hedge_s, hedge_fails
-            while not spare.received:  # the hedge is out
-                await asyncio.sleep(0.005)
+            await until(lambda: spare.received, "the batch hedged to the spare")
             if not answered:
                 for task in list(scheduler._inflight):
                     task.cancel()
-            async with asyncio.timeout(5):
-                while answered and not codes:
-                    await asyncio.sleep(0.005)
+            if answered:
+                await until(lambda: codes, "the hedged batch answered", 5)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(1):  # the attempts settle
                     while any(e.in_flight for e in pool.engines):

@@ -81,6 +81,9 @@ def test_stalled_engine_is_hedged_around(fleet: Stack) -> None:
     hedges_before = metric(
         batcher_metrics, r'berth_batcher_hedges_total\{.*event="sent".*\}'
     )
+    won_before = metric(
+        batcher_metrics, r'berth_batcher_hedges_total\{.*event="won".*\}'
+    )
     victim = engine_pid(fleet, 1)
 
     stalled = run_load_while(
@@ -98,9 +101,22 @@ def test_stalled_engine_is_hedged_around(fleet: Stack) -> None:
         metric(batcher_metrics, r'berth_batcher_hedges_total\{.*event="sent".*\}')
         - hedges_before
     )
-    print(f"batches {batches:.0f}, hedges {hedges:.0f} ({hedges / batches:.1%})")
+    won = (
+        metric(batcher_metrics, r'berth_batcher_hedges_total\{.*event="won".*\}')
+        - won_before
+    )
+    slowest = max(stalled.latencies)
+    print(
+        f"batches {batches:.0f}, hedges {hedges:.0f} ({hedges / batches:.1%}), "
+        f"won by the hedge {won:.0f}; slowest call {slowest:.2f} s"
+    )
     assert stalled.answered == stalled.sent and stalled.ok_ratio == 1.0
+    # The batches the stalled engine held were hedged, and their hedges won:
+    # no call waited out the 3 s stall (unhedged, those calls took >= 2.5 s).
+    assert won >= 1, "no batch was rescued by a hedge"
+    assert slowest < 1.5, f"a call waited {slowest:.2f} s: it was not hedged"
     assert stalled.p(99) <= 2 * healthy.p(99)
+    # ...and hedges stayed within their budget (--hedge-ratio 0.1).
     assert hedges / batches <= 0.10
 
 

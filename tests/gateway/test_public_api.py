@@ -45,16 +45,24 @@ def test_large_tokenize_call_does_not_stall_other_calls(stack: Stack) -> None:
         call = threading.Thread(
             target=lambda: done.append(tokenizer.Tokenize(request, timeout=60))
         )
+        began = time.perf_counter()
         call.start()
         time.sleep(0.2)
-        slowest = 0.0
+        waits: list[float] = []
         while call.is_alive():
             t0 = time.perf_counter()
             other.ModelInfo(berth_pb2.ModelInfoRequest(model="minilm"), timeout=30)
-            slowest = max(slowest, time.perf_counter() - t0)
-        call.join()
+            waits.append(time.perf_counter() - t0)
+        call.join(60)
+        took = time.perf_counter() - began
     assert len(done) == 1 and len(done[0].results) == 256
-    assert slowest < 0.75, f"ModelInfo waited {slowest:.2f} s behind a Tokenize call"
+    # Tokenized on the event loop, a ModelInfo call waited for most of the
+    # Tokenize call; off it, each waits a small part of it, however loaded
+    # the machine is (both slow down alike).
+    assert len(waits) >= 3, f"only {len(waits)} ModelInfo calls in {took:.2f} s"
+    assert max(waits) < 0.4 * took, (
+        f"ModelInfo waited {max(waits):.2f} s behind a {took:.2f} s Tokenize call"
+    )
 
 
 def test_stream_with_a_malformed_message_ends_with_invalid_argument(

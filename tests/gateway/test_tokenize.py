@@ -73,3 +73,24 @@ def test_a_text_with_no_tokens_is_refused_naming_it(tmp_path: Path) -> None:
     assert str(info.value).startswith(
         "texts[1] has no tokens for model 'minilm' (its 3 characters"
     ), str(info.value)
+
+
+@pytest.mark.parametrize("extra", [-1, 0, 1, 2])
+def test_the_token_limit_is_exact(extra: int) -> None:
+    """A text of exactly MAX_TOKENS tokens ([CLS] and [SEP] counted) is taken
+    as it is; one token more is refused, naming its count and the limit."""
+    words = MAX_TOKENS - 2 + extra  # "word" is one token each
+    text = " ".join(["word"] * words)
+    enc = encoder(minilm_checkpoint())
+    if extra <= 0:
+        (ids,) = enc.encode([text], truncate=False)
+        assert len(ids) == MAX_TOKENS + extra
+        return
+    with pytest.raises(InvalidInput) as info:
+        enc.encode([text], truncate=False)
+    assert f"texts[0] has {MAX_TOKENS + extra} tokens, over the limit of " in str(
+        info.value
+    )
+    assert f"the limit of {MAX_TOKENS} " in str(info.value)
+    (cut,) = enc.encode([text], truncate=True)
+    assert len(cut) == MAX_TOKENS

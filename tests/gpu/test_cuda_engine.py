@@ -115,7 +115,8 @@ def test_embeddings_match_fp32_reference(backend: CudaBackend, refs: Fixtures) -
     cos = cosine(got, refs.embeddings)
     print(f"minilm fp16 vs fp32 CPU: min cosine {cos.min():.6f} over {len(cos)} texts")
     assert np.isfinite(got).all()
-    assert cos.min() >= 0.999, f"worst text: {int(cos.argmin())}"
+    # Observed on the H200: 0.999993 (benchmarks/results/gpu_tests_h200.log).
+    assert cos.min() >= 0.99998, f"worst text: {int(cos.argmin())}"
 
 
 def test_intent_top1_matches_fp32_reference(
@@ -370,8 +371,9 @@ def test_direct_submits_equal_the_general_way(backend: CudaBackend) -> None:
 
 @pytest.mark.parametrize(
     ("option", "floor"),
-    [({"input_mode": "zero-copy"}, 0.999), ({"input_mode": "staging"}, 0.999),
-     ({"dtype": torch.bfloat16}, 0.995), ({"gelu_epilogue": False}, 0.999)],
+    # Observed on the H200: 0.999994, 0.999994, 0.999803, 0.999997.
+    [({"input_mode": "zero-copy"}, 0.99998), ({"input_mode": "staging"}, 0.99998),
+     ({"dtype": torch.bfloat16}, 0.9995), ({"gelu_epilogue": False}, 0.99998)],
 )  # fmt: skip
 def test_options_match_fp32_reference(
     refs: Fixtures, option: dict, floor: float
@@ -678,8 +680,8 @@ def test_fp8_entry_serves_from_graphs(refs: Fixtures) -> None:
     embeddings = run_all(cuda, "minilm", refs.text_ids, entry.buckets, 32)
     cos = cosine(embeddings, refs.embeddings)
     print(f"fp8 minilm vs fp32: cosine mean {cos.mean():.5f}, min {cos.min():.5f}")
-    assert cos.mean() >= 0.995
-    assert cos.min() >= 0.98
+    assert cos.mean() >= 0.996  # observed: mean 0.99719, min 0.98862
+    assert cos.min() >= 0.985
 
 
 def test_fp8_entry_runs_its_layers_as_fp8_layers(refs: Fixtures) -> None:
