@@ -56,14 +56,14 @@ from benchmarks.random_models import (  # noqa: E402
     VOCAB,
     write_random_checkpoint,
 )
-from engine.cuda_backend import (  # noqa: E402
+from engine.cuda.backend import (  # noqa: E402
     DEFAULT_INPUT,
     INPUT_MODES,
     CudaBackend,
     collect,
 )
-from engine.cuda_graphs import token_ladder  # noqa: E402
-from engine.kernels import add_layer_norm, attention  # noqa: E402
+from engine.cuda.graphs import token_ladder  # noqa: E402
+from engine.cuda.kernels import add_layer_norm, attention  # noqa: E402
 from services.repository import ModelEntry  # noqa: E402
 
 BATCHES = (1, 8, 32, 64, 128, 256)
@@ -359,7 +359,7 @@ def probe_kernels() -> dict[str, float]:
     """Single-kernel timings at BERT-base sizes (ms), for the notes."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from engine.pinned import HostBuffer
+    from engine.cuda.pinned import HostBuffer
 
     h, inner, heads, dev, dt = 768, 3072, 12, "cuda", torch.float16
     out: dict[str, float] = {}

@@ -32,7 +32,7 @@ if not __package__:  # run as a file: import berth's packages from the repo root
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from engine.fallback_build import (  # noqa: E402
+from engine.build.fallback import (  # noqa: E402
     HELDOUT_GENERAL,
     HELDOUT_UTTERANCES,
     build_fallbacks,
@@ -41,7 +41,7 @@ from engine.fallback_build import (  # noqa: E402
     tokenize,
 )
 from engine.model import ServedModel, load_served_model  # noqa: E402
-from gateway.fallback import FallbackModel, fallback_path  # noqa: E402
+from services.fallback_model import FallbackModel, fallback_path  # noqa: E402
 from services.repository import ModelEntry, load_repository  # noqa: E402
 from tests.texts import UTTERANCES, VARIED  # noqa: E402
 

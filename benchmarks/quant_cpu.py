@@ -39,7 +39,8 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from engine import calibration, quant  # noqa: E402
+from engine import quant  # noqa: E402
+from engine.build import calibration  # noqa: E402
 from engine.torch_backend import TorchBackend  # noqa: E402
 from services.repository import ModelEntry, load_repository  # noqa: E402
 

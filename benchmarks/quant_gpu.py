@@ -6,7 +6,7 @@ Run on the device machine (scripts/gpu_run.sh runs it with $OUT set)::
 
 1. Accuracy: the default models (minilm, intent) with the GPU engines'
    buckets, float32 on the GPU (TF32 off) as the reference, against fp16,
-   bf16 and FP8 variants run by the engine's fused forward (engine/fused.py:
+   bf16 and FP8 variants run by the engine's fused forward (engine/cuda/forward.py:
    what berth serves) on the other texts: embedding cosine (mean, min) and
    intent top-1 agreement. "fp8" is what ``quantize: fp8`` serves: e4m3
    with one scale per weight, its codes rounded by GPTQ, and static input
@@ -17,7 +17,7 @@ Run on the device machine (scripts/gpu_run.sh runs it with $OUT set)::
 2. Speed: a BERT-base-sized encoder (12 x 768, random weights) at batch 128,
    length 128, every row full, each variant captured in one CUDA graph and
    replayed; sequences/s from CUDA events. The baseline ("fp16 engine") is
-   the engine's own fused fp16 forward (engine/fused.py); the fused variants
+   the engine's own fused fp16 forward (engine/cuda/forward.py); the fused variants
    run as the engine serves full rows (its full-row attention).
 
 Writes ``quant_h200.json`` (to --out, else $OUT/, else benchmarks/results/)
@@ -49,10 +49,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from engine import calibration, quant  # noqa: E402
-from engine.cuda_graphs import capturing  # noqa: E402
+from engine import quant  # noqa: E402
+from engine.build import calibration  # noqa: E402
+from engine.cuda.forward import FusedForward  # noqa: E402
+from engine.cuda.graphs import capturing  # noqa: E402
 from engine.encoder import Encoder, EncoderConfig  # noqa: E402
-from engine.fused import FusedForward  # noqa: E402
 from engine.model import ServedModel, load_served_model  # noqa: E402
 from services.repository import ModelEntry, load_repository  # noqa: E402
 
@@ -245,7 +246,7 @@ def graph_speed(
     """(sequences/s, ms per batch, output) of ``forward`` in one CUDA graph,
     every row full. A fused forward runs as the engine serves such a batch:
     its full-row attention chosen (``choose_full_rows``), told that every row
-    is full (the ladder's top rung, engine/cuda_graphs.py)."""
+    is full (the ladder's top rung, engine/cuda/graphs.py)."""
     gen = torch.Generator(device="cpu").manual_seed(1)
     ids = torch.randint(1000, 29000, (batch, length), generator=gen, dtype=torch.int32)
     ids, lens = ids.to(device), torch.full((batch,), length, device=device)
@@ -277,7 +278,7 @@ def graph_speed(
 
 
 def fused_forward(model: nn.Module, **options: Any) -> Forward:
-    """What the engine runs a model with: its fused forward (engine/fused.py)."""
+    """What the engine runs a model with: its fused forward (engine/cuda/forward.py)."""
     return FusedForward(cast(ServedModel, model), **options)
 
 

@@ -3,13 +3,13 @@
 At batch 1 a BERT-base forward is ~90 short kernels (2.5-5 us each inside a
 CUDA graph), so launch and ramp-up, not math, set its time (notes/gpu.md).
 Hopper can launch a kernel while its predecessor still runs (programmatic
-dependent launch, engine/kernels.py). This times, in one process, three
+dependent launch, engine/cuda/kernels.py). This times, in one process, three
 CudaBackends on the same random-weight models and inputs:
 
 - classic: every kernel launched the classic way (``pdl=False``), the
   baseline;
 - pdl: berth's Triton kernels launched dependent in forwards of up to
-  engine.fused.PDL_MAX_TOKENS tokens, with engine/kernels.SMALL_LINEAR's
+  engine.cuda.forward.PDL_MAX_TOKENS tokens, with engine/kernels.SMALL_LINEAR's
   GEMMs (cuBLAS's launch the classic way: a chain breaks at them);
 - preload: the default on Hopper: pdl, and each shape of up to 128 tokens
   timed at capture with PRELOAD_LINEAR's GEMMs too (every GEMM berth's,
@@ -50,7 +50,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.engine import inputs, time_calls, write_checkpoint  # noqa: E402
-from engine.cuda_backend import CudaBackend  # noqa: E402
+from engine.cuda.backend import CudaBackend  # noqa: E402
 
 VARIANTS = ("classic", "pdl", "preload", "pdl-all")
 SHAPES = {

@@ -11,12 +11,12 @@ times are the GPU's, not Python's launch cost):
 - cublas_us: what the fused forward runs today (``F.linear`` /
   ``torch._addmm_activation`` with GELU in the epilogue, then berth's Triton
   add + LayerNorm);
-- triton_us: ``engine.kernels.linear`` with the best of a grid of tiles and
+- triton_us: ``engine.cuda.kernels.linear`` with the best of a grid of tiles and
   K splits (split-K partials summed by ``add_layer_norm_partials``);
 - ratio = cublas / triton (above 1: Triton faster), and the tiles that won.
 
 Then attention at small shapes for several query-block sizes, and the best
-tiles per (projection, M) as a table for ``engine/kernels.py``.
+tiles per (projection, M) as a table for ``engine/cuda/kernels.py``.
 
     python benchmarks/small_gemm.py --out small_gemm_h200.json
     python benchmarks/small_gemm.py --cold --block-k 64,128,256 --tokens 16,128
@@ -45,10 +45,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine import kernels  # noqa: E402
-from engine.cuda_graphs import capturing  # noqa: E402
-from engine.fused import replay_ms  # noqa: E402
-from engine.kernels import (  # noqa: E402
+from engine.cuda import kernels  # noqa: E402
+from engine.cuda.forward import replay_ms  # noqa: E402
+from engine.cuda.graphs import capturing  # noqa: E402
+from engine.cuda.kernels import (  # noqa: E402
     ACT_GELU_TANH,
     ACT_NONE,
     LinearConfig,

@@ -40,8 +40,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.engine import write_checkpoint  # noqa: E402
-from engine.cuda_backend import MAX_ROWS, CudaBackend, ModelRunner  # noqa: E402
-from engine.fused import captured, time_in_turn  # noqa: E402
+from engine.cuda.backend import MAX_ROWS, CudaBackend, ModelRunner  # noqa: E402
+from engine.cuda.forward import captured, time_in_turn  # noqa: E402
 
 SHAPES = [(1, 128), (8, 16), (1, 64), (1, 16)]
 VARIANTS = ("forward", "step, device input", "step, mapped input", "step, zero-copy")

@@ -8,7 +8,7 @@ import signal
 
 from engine.backend import Backend
 from engine.backends_by_model import ModelRouter, create_model_router
-from engine.cuda_graphs import bucket_shapes
+from engine.cuda.graphs import bucket_shapes
 from engine.service import EngineService
 from services.config import DEFAULT_ENGINE_PORT, add_flag, repository_flag
 from services.logs import setup_logging

@@ -24,8 +24,8 @@ log = logging.getLogger("berth.engine")
 # "torch" is eager on the CPU and CUDA graphs + pinned I/O on a GPU;
 # "torch-eager" is plain eager torch on either.
 BACKENDS: dict[str, str] = {
-    "torch": "engine.cuda_backend:torch_backend",
-    "torch-cuda": "engine.cuda_backend:CudaBackend",
+    "torch": "engine.cuda.backend:torch_backend",
+    "torch-cuda": "engine.cuda.backend:CudaBackend",
     "torch-eager": "engine.torch_backend:TorchBackend",
     "onnxruntime": "engine.onnx_backend:OnnxRuntimeBackend",
     "tensorrt": "engine.tensorrt_backend:TensorRTBackend",

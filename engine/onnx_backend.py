@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from engine.backend import BackendError, loaded, warm_up_eagerly
+from engine.build.onnx_export import OUTPUT_NAME, cache_dir, export_entry
 from engine.encoder import read_config
-from engine.onnx_export import OUTPUT_NAME, cache_dir, export_entry
 from engine.torch_backend import check_batch, default_threads
 from services.repository import ModelEntry
 

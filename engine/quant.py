@@ -15,9 +15,9 @@ classifier head keep their precision.
   layer, both calibrated on real texts (:func:`record_inputs`), multiplied
   by ``torch._scaled_mm`` with the bias in its epilogue, writing the model's
   fp16 (the fused forward makes the same products through cuBLASLt itself,
-  engine/cublaslt.py). Its forward has no data-dependent control flow and no
+  engine/cuda/cublaslt.py). Its forward has no data-dependent control flow and no
   host sync, so it lives inside the engine's CUDA graphs, where
-  engine/fused.py's LayerNorm and GELU kernels write the next product's e4m3
+  engine/cuda/forward.py's LayerNorm and GELU kernels write the next product's e4m3
   input themselves.
 
 The scale arithmetic is plain torch and runs (and is tested) on the CPU;
@@ -34,8 +34,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from engine import kernels
-from engine.calibration import calibration_texts, text_batches
+from engine.build.calibration import calibration_texts, text_batches
+from engine.cuda import kernels
 from services.repository import ModelEntry
 
 log = logging.getLogger("berth.engine")
@@ -252,7 +252,7 @@ class Fp8Linear(nn.Module):
       bf16 out (the CUTLASS kernels torch picks for row-wise scales).
 
     With static input scales, an input that is already e4m3 is taken to be in
-    this layer's input scale (engine/fused.py's LayerNorm and GELU kernels
+    this layer's input scale (engine/cuda/forward.py's LayerNorm and GELU kernels
     write it so) and is multiplied as it is; any other input is quantized
     first by berth's kernel (engine/kernels.quantize_e4m3). With per-token
     scales every input is quantized per token.

@@ -1,9 +1,9 @@
 """The TensorRT backend: engines built from berth's ONNX export, on one GPU.
 
-Per model: the ONNX file (engine/onnx_export.py), one TensorRT engine with
+Per model: the ONNX file (engine/build/onnx_export.py), one TensorRT engine with
 an optimization profile per length bucket (FP16, or INT8 calibrated by KL
 divergence on real texts when the entry says ``quantize: "int8"``), cached
-on disk by model hash + GPU + TensorRT version (engine/tensorrt_build.py);
+on disk by model hash + GPU + TensorRT version (engine/build/tensorrt.py);
 one execution context per profile for eager enqueues, and a CUDA graph per
 warmed-up (batch, bucket) shape, each captured from an execution context of
 its own (TensorRT: a captured graph is only valid for the input shapes and
@@ -11,7 +11,7 @@ the state of the context it was captured from, so a context whose shapes
 later change cannot keep one); every context of a model shares one block of
 activation memory (its enqueues and replays never overlap: one stream, each
 batch collected before the next). Batches pass through the same pinned slots
-as the torch CUDA backend (engine/pinned.py).
+as the torch CUDA backend (engine/cuda/pinned.py).
 
 NOT RUN: TensorRT cannot be installed on berth's machines (its full PyPI
 wheels are stubs that download from elsewhere; the lean and dispatch
@@ -33,11 +33,9 @@ import numpy as np
 import torch
 
 from engine.backend import BackendError, loaded
-from engine.calibration import TokenBatch, calibration_texts
-from engine.cuda_graphs import capturing
-from engine.onnx_export import cache_dir, export_entry, file_sha256
-from engine.pinned import Slot, SlotRing
-from engine.tensorrt_build import (
+from engine.build.calibration import TokenBatch, calibration_texts
+from engine.build.onnx_export import cache_dir, export_entry, file_sha256
+from engine.build.tensorrt import (
     CALIBRATION_LENGTH,
     MAX_BATCH,
     TOKEN_BUDGET,
@@ -53,6 +51,8 @@ from engine.tensorrt_build import (
     profile_for,
     write_atomic,
 )
+from engine.cuda.graphs import capturing
+from engine.cuda.pinned import Slot, SlotRing
 from engine.torch_backend import check_batch, resolve_device
 from services.repository import ModelEntry
 

@@ -17,7 +17,6 @@ import numpy as np
 from gateway import metrics
 from gateway.batcher_client import Batching
 from gateway.cache import ResponseCache
-from gateway.fallback import FallbackError, FallbackModel
 from gateway.tokenize import Limits, TextEncoder
 from services.errors import (
     BerthError,
@@ -28,6 +27,7 @@ from services.errors import (
     abort,
     as_berth_error,
 )
+from services.fallback_model import FallbackError, FallbackModel
 from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
 from services.repository import ModelEntry, checkpoint_shape
 from services.streams import serve_stream

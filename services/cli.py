@@ -696,7 +696,7 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 def build_models(root: Path, force: bool = False) -> list[Path]:
     """The default models, then every model's CPU fallback (level 3)."""
-    from engine.fallback_build import build_fallbacks
+    from engine.build.fallback import build_fallbacks
     from services.default_models import build_default_repository
 
     built = build_default_repository(root, force=force)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from engine.fallback_build import (
+from engine.build.fallback import (
     HELDOUT_UTTERANCES,
     build_fallbacks,
     built_fingerprint,
@@ -28,10 +28,10 @@ from engine.fallback_build import (
 )
 from engine.model import load_served_model
 from gateway.batcher_client import BatcherClient
-from gateway.fallback import FallbackError, FallbackModel, fallback_path
 from gateway.service import Gateway
 from gateway.tokenize import Limits
 from services.errors import Unavailable
+from services.fallback_model import FallbackError, FallbackModel, fallback_path
 from services.proto.berth.v1 import berth_pb2
 from services.repository import ModelEntry, load_entry, load_repository
 from tests.stack import free_ports
@@ -220,7 +220,7 @@ def refuse(*args, **kwargs):
     raise AssertionError("the fallback tried to unpickle")
 pickle.load = pickle.loads = pickle.Unpickler = refuse
 import numpy as np
-from gateway.fallback import FallbackModel
+from services.fallback_model import FallbackModel
 from services.repository import load_repository
 entries = load_repository({str(fallback_repo)!r})
 ids = [np.array([101, 7592, 102], np.int32)]

@@ -10,15 +10,15 @@ import pytest
 
 pytest.importorskip("onnxruntime")
 
-from engine import calibration  # noqa: E402
 from engine.backend import BackendError, create_backend  # noqa: E402
-from engine.model import load_served_model  # noqa: E402
-from engine.onnx_backend import OnnxRuntimeBackend  # noqa: E402
-from engine.onnx_export import (  # noqa: E402
+from engine.build import calibration  # noqa: E402
+from engine.build.onnx_export import (  # noqa: E402
     compare_with_torch,
     export_entry,
     model_fingerprint,
 )
+from engine.model import load_served_model  # noqa: E402
+from engine.onnx_backend import OnnxRuntimeBackend  # noqa: E402
 from engine.torch_backend import TorchBackend  # noqa: E402
 from services.repository import ModelEntry, load_repository  # noqa: E402
 
@@ -139,7 +139,7 @@ def test_engines_starting_together_export_once(
     code = (
         "import json, logging, sys\n"
         "from pathlib import Path\n"
-        "from engine.onnx_export import export_entry\n"
+        "from engine.build.onnx_export import export_entry\n"
         "from services.repository import ModelEntry\n"
         "logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
         "entry = ModelEntry(**json.loads(sys.argv[1]))\n"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.preload_tiles import SHARED_BYTES, neighbours, shared_bytes
-from engine.kernels import PRELOAD_CHUNKS, PRELOAD_LINEAR, LinearConfig
+from engine.cuda.kernels import PRELOAD_CHUNKS, PRELOAD_LINEAR, LinearConfig
 
 
 def test_shared_bytes_match_what_the_compiler_asked() -> None:

@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from engine import calibration, quant
+from engine import quant
+from engine.build import calibration
 from engine.encoder import Encoder, EncoderConfig
 from engine.model import ServedModel, load_served_model
 from services.repository import ModelEntry, load_repository
@@ -342,9 +343,9 @@ def test_quantize_fp8_on_the_reference_path() -> None:
 
 
 def test_the_engines_fused_forward_runs_fp8_layers() -> None:
-    """The CUDA backend runs every model through engine/fused.py: quantized
+    """The CUDA backend runs every model through engine/cuda/forward.py: quantized
     layers are called as modules there (their weights are not an nn.Linear's)."""
-    from engine.fused import FusedForward
+    from engine.cuda.forward import FusedForward
 
     for rowwise, keep in [
         (False, quant.FP8_KEEP),
@@ -367,7 +368,7 @@ def test_the_engines_fused_forward_runs_fp8_layers() -> None:
 def test_fp8_kernels_fall_back_to_what_they_compute() -> None:
     """engine/kernels' e4m3 writers off the GPU: act(x) / scale saturated at
     ±448 (tests/gpu checks the Triton kernels against the same on the H200)."""
-    from engine import kernels
+    from engine.cuda import kernels
 
     x = torch.randn(8, 64) * 40
     inv = torch.tensor(4.0)

@@ -21,14 +21,14 @@ import pytest
 import torch
 
 from batcher._core_py import check_config
-from engine import calibration
 from engine.backend import BackendError, create_backend
 from engine.backends_by_model import (
     ModelRouter,
     create_model_router,
     preferred_backend,
 )
-from engine.tensorrt_build import (
+from engine.build import calibration
+from engine.build.tensorrt import (
     CALIBRATION_BATCH,
     CALIBRATION_LENGTH,
     Profile,
@@ -188,7 +188,7 @@ def test_engine_cache_key_covers_the_calibration_data() -> None:
     """TensorRT leaves recalibrating on new data to the application: an INT8
     engine (and its calibration table, cached under the same key) built from
     other calibration batches is not reused."""
-    from engine.tensorrt_build import calibration_digest
+    from engine.build.tensorrt import calibration_digest
 
     tokenizer = minilm_checkpoint() / "tokenizer.json"
     texts = calibration.calibration_texts()[:40]
@@ -449,7 +449,7 @@ class _FakeEngine:
 
 
 class _FakeSlot:
-    """engine/pinned.py's Slot in ordinary CPU memory."""
+    """engine/cuda/pinned.py's Slot in ordinary CPU memory."""
 
     def __init__(self, io: int, out: int, device: Any) -> None:
         self.io_cpu = torch.zeros(io, dtype=torch.int32)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine.cuda_graphs import capturing
+from engine.cuda.graphs import capturing
 from engine.encoder import EncoderLoadError, load_encoder
 from engine.heads import ClassifierHead, MeanPooling
 

@@ -40,7 +40,7 @@ LENGTH = 32
 )
 def service(request: pytest.FixtureRequest, tiny: ModelEntry) -> Iterator[Any]:
     if request.param == "cuda":
-        from engine.cuda_backend import CudaBackend
+        from engine.cuda.backend import CudaBackend
 
         backend: Any = CudaBackend("cuda:0")
     else:

@@ -4,7 +4,7 @@ Packed rows (no padding computed) give what padded rows give; the few-token
 GEMM plan (berth's Triton ``linear``, split-K partials summed in the
 LayerNorm) gives what cuBLAS's path gives.
 
-The fused forward's packed path (engine/fused.py) with torch's fallbacks of
+The fused forward's packed path (engine/cuda/forward.py) with torch's fallbacks of
 berth's kernels (and, with ``TRITON_INTERPRET=1`` and Triton installed, the
 kernels themselves): same outputs as the padded path and as the plain
 ServedModel, for rows of every length including empty ones (batch padding)
@@ -19,9 +19,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.cuda_graphs import PACK_MIN_TOKENS, packed_tokens, token_ladder
-from engine.fused import FusedForward
-from engine.kernels import (
+from engine.cuda.forward import FusedForward
+from engine.cuda.graphs import PACK_MIN_TOKENS, packed_tokens, token_ladder
+from engine.cuda.kernels import (
     PRELOAD_LINEAR,
     LinearConfig,
     add_layer_norm_partials,
@@ -69,7 +69,7 @@ def test_packed_rows_equal_padded_rows(backend: TorchBackend, model: str) -> Non
 def test_full_rows_run_without_a_mask(
     backend: TorchBackend, model: str, kind: str
 ) -> None:
-    """tokens = B * L: every row full, the graph of engine/cuda_graphs.py's
+    """tokens = B * L: every row full, the graph of engine/cuda/graphs.py's
     top rung. It runs the padded layout with no attention mask (SDPA), or
     berth's kernel, and gives what the masked padded path gives."""
     served = backend.model(model)
@@ -240,7 +240,7 @@ def test_mean_pool_writes_into_the_buffer_it_is_given() -> None:
 def test_tuned_products_are_none_off_the_gpu(backend: TorchBackend) -> None:
     """cuBLASLt's timed products (engine/cublaslt.HalfGemm) are made only for
     weights on a GPU: on the CPU every layer keeps torch's, on or off."""
-    from engine.cublaslt import half_gemm
+    from engine.cuda.cublaslt import half_gemm
 
     served = backend.model("minilm")
     for tuned in (True, False):

@@ -27,7 +27,7 @@ def test_each_model_is_warmed_up_for_its_own_device() -> None:
     a GPU: each gets its own backend's warm-up, a CUDA graph per batch shape
     on the GPU, one small eager batch per length on the CPU."""
     from engine.__main__ import warmup_shapes
-    from engine.cuda_graphs import bucket_shapes
+    from engine.cuda.graphs import bucket_shapes
     from services.repository import ModelEntry
 
     entry = ModelEntry(name="m", task="embed", checkpoint="/x", buckets=[16, 64])

@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine.cuda_backend import CudaBackend, collect
-from engine.cuda_graphs import bucket_shapes, capturing, packed_tokens
-from engine.fused import PDL_MAX_TOKENS, FusedForward
-from engine.pinned import HostBuffer
+from engine.cuda.backend import CudaBackend, collect
+from engine.cuda.forward import PDL_MAX_TOKENS, FusedForward
+from engine.cuda.graphs import bucket_shapes, capturing, packed_tokens
+from engine.cuda.pinned import HostBuffer
 from tests.gpu.reference import Fixtures, fixtures, padded_batches
 
 pytestmark = [
@@ -86,7 +86,7 @@ def random_batch(
 
 def test_torch_on_a_gpu_is_the_graph_backend() -> None:
     from engine.backend import create_backend
-    from engine.cuda_backend import CudaBackend
+    from engine.cuda.backend import CudaBackend
     from engine.torch_backend import TorchBackend
 
     assert isinstance(create_backend("torch", "cuda:0"), CudaBackend)
@@ -395,7 +395,7 @@ def test_preloading_linear_matches_torch() -> None:
     dependent."""
     import torch.nn.functional as F
 
-    from engine.kernels import (
+    from engine.cuda.kernels import (
         ACT_GELU_TANH,
         ACT_NONE,
         PRELOAD_LINEAR,
@@ -430,7 +430,7 @@ def test_preloading_linear_matches_torch() -> None:
 def test_fused_kernels_match_torch() -> None:
     import torch.nn.functional as F
 
-    from engine.kernels import add_layer_norm, add_layer_norm_partials, mean_pool
+    from engine.cuda.kernels import add_layer_norm, add_layer_norm_partials, mean_pool
 
     g = torch.Generator(device="cuda").manual_seed(0)
     # Both sides of LN_ROWS's 2,048-row threshold, an odd row count past it.
@@ -462,7 +462,7 @@ def test_triton_attention_matches_sdpa(
 ) -> None:
     import torch.nn.functional as F
 
-    from engine.kernels import attention
+    from engine.cuda.kernels import attention
 
     g = torch.Generator(device="cuda").manual_seed(batch)
     qkv = torch.randn(batch * length, 3 * heads * head, device="cuda", generator=g)
@@ -633,7 +633,7 @@ def test_preloading_gemms_replay_alike_and_match_the_other_plan(
     refs: Fixtures,
 ) -> None:
     """PRELOAD_LINEAR's GEMMs read their weights before waiting for the
-    previous kernel (engine/kernels.py). Forced on every shape that has the
+    previous kernel (engine/cuda/kernels.py). Forced on every shape that has the
     plan: replays equal each other bit for bit (a race would not) and equal
     the SMALL_LINEAR plan's forward to fp16 rounding; 64 x 128 is past the
     table (a control)."""
@@ -711,7 +711,8 @@ def test_cublaslt_epilogue_equals_product_then_pass(epilogue: str) -> None:
     """FFN-in as one cuBLASLt call (activation, e4m3 out) computes what
     _scaled_mm then berth's activation pass compute, saturating, and reads
     its scales at each run (a graph replays with new ones)."""
-    from engine import cublaslt, kernels, quant
+    from engine import quant
+    from engine.cuda import cublaslt, kernels
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(768, 3072, device="cuda")
@@ -742,7 +743,8 @@ def test_cublaslt_plain_product_equals_scaled_mm() -> None:
     """QKV / attention-out / FFN-out as one cuBLASLt call with a timed
     algorithm: what torch._scaled_mm computes (fp16 out, bias added), at
     token counts small and large, and in a graph."""
-    from engine import cublaslt, kernels, quant
+    from engine import quant
+    from engine.cuda import cublaslt, kernels
 
     torch.manual_seed(1)
     linear = torch.nn.Linear(3072, 768, device="cuda")
@@ -770,7 +772,8 @@ def test_cublaslt_products_release_their_descriptors() -> None:
     captured before still replays right, the closed product refuses new
     token counts, and products made and dropped by the hundred leave
     cuBLASLt working."""
-    from engine import cublaslt, kernels, quant
+    from engine import quant
+    from engine.cuda import cublaslt, kernels
 
     torch.manual_seed(2)
     linear = torch.nn.Linear(768, 768, device="cuda")
@@ -840,7 +843,7 @@ def test_half_gemms_equal_torchs_products(dtype: torch.dtype) -> None:
     torch's products: bias, bias + GELU (tanh form) or ReLU, and the residual
     added in place (beta 1), at token counts large and small, and in a graph
     that reads its input's current rows."""
-    from engine import cublaslt
+    from engine.cuda import cublaslt
 
     torch.manual_seed(3)
     up = torch.nn.Linear(768, 3072, device="cuda", dtype=dtype)
@@ -888,7 +891,7 @@ def test_tuned_products_serve_what_torchs_do(refs: Fixtures) -> None:
     (the default) equals the one through torch where it takes them (at
     HALF_TUNED_MIN_TOKENS and more), eager and in graphs, and is the same
     forward below that."""
-    from engine.fused import HALF_TUNED_MIN_TOKENS
+    from engine.cuda.forward import HALF_TUNED_MIN_TOKENS
 
     entry = refs.entries["intent"]
     cuda = CudaBackend("cuda:0")
@@ -943,7 +946,7 @@ def test_bf16_layers_add_the_residual_in_float32(refs: Fixtures) -> None:
 def test_e4m3_kernels_equal_torchs_conversion(act: int) -> None:
     """engine/kernels' e4m3 writers round and saturate as torch's cast does,
     and read their scale from the device at each run (a graph sees a new one)."""
-    from engine import kernels
+    from engine.cuda import kernels
 
     gen = torch.Generator(device="cuda").manual_seed(3)
     x = torch.randn(300, 768, device="cuda", generator=gen, dtype=torch.float16) * 8

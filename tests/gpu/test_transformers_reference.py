@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.random_models import write_random_checkpoint
-from engine.cuda_backend import CudaBackend
-from engine.cuda_graphs import BATCH_LADDER
+from engine.cuda.backend import CudaBackend
+from engine.cuda.graphs import BATCH_LADDER
 from engine.quant import Fp8Linear
 from services.repository import ModelEntry
 from tests.gpu.reference import Fixtures, fixtures, padded_batches

@@ -1,7 +1,7 @@
 """A served model's forward pass with fused GPU kernels: what the graphs capture.
 
 It computes what :class:`engine.model.ServedModel` computes, from the same
-modules and weights, in fewer passes over device memory (engine/kernels.py):
+modules and weights, in fewer passes over device memory (engine/cuda/kernels.py):
 
 - embeddings: gather, add and LayerNorm in one Triton kernel;
 - attention: no mask tensor, each row's keys cut at its length, by whichever
@@ -16,7 +16,7 @@ modules and weights, in fewer passes over device memory (engine/kernels.py):
   Triton GEMM where it measured faster than cuBLAS, its split-K partials
   summed by the LayerNorm kernel;
 - on Hopper, at up to PDL_MAX_TOKENS tokens, every Triton kernel launched
-  dependent on its predecessor (``pdl``, engine/kernels.py: its launch
+  dependent on its predecessor (``pdl``, engine/cuda/kernels.py: its launch
   overlaps the previous kernel's tail); ``BERTH_PDL=0`` turns that off;
 - shapes of up to 128 tokens timed at capture with every GEMM a Triton
   kernel that reads its weights before it waits (kernels.PRELOAD_LINEAR:
@@ -26,7 +26,7 @@ modules and weights, in fewer passes over device memory (engine/kernels.py):
 Tokens are kept flat ([batch * length, hidden]) so every matmul is one 2-D
 GEMM with its bias in the epilogue. Packed (``tokens`` given): the rows'
 tokens end to end, no padding token computed; the CUDA graphs capture large
-shapes this way (engine/cuda_graphs.py). Off the GPU each step falls back to
+shapes this way (engine/cuda/graphs.py). Off the GPU each step falls back to
 torch ops, so this module imports and computes everywhere.
 """
 
@@ -43,8 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import kernels
-from engine.cublaslt import (
+from engine.cuda import kernels
+from engine.cuda.cublaslt import (
     EPILOGUE_BIAS,
     EPILOGUE_DEFAULT,
     EPILOGUE_GELU_BIAS,
@@ -55,10 +55,10 @@ from engine.cublaslt import (
     fp8_epilogue_gemm,
     half_gemm,
 )
-from engine.cuda_graphs import capturing
+from engine.cuda.graphs import capturing
+from engine.cuda.kernels import add_layer_norm, add_layer_norm_partials, mean_pool
 from engine.encoder import ACTIVATIONS, EncoderLayer, key_padding_mask
 from engine.heads import ClsPooling, MeanPooling
-from engine.kernels import add_layer_norm, add_layer_norm_partials, mean_pool
 from engine.model import ServedModel
 from services.config import env
 
@@ -72,14 +72,14 @@ ATTENTION_KINDS = ("flash", "triton", "sdpa")
 # - BERTH_PRELOAD=0: few-token forwards keep engine/kernels.SMALL_LINEAR's
 #   plan, never timing PRELOAD_LINEAR's against it (``choose_plan``);
 # - BERTH_FP8_EPILOGUE=0: FP8 layers apply FFN-in's activation in a separate
-#   pass instead of cuBLASLt's epilogue (engine/cublaslt.py; the epilogue is
+#   pass instead of cuBLASLt's epilogue (engine/cuda/cublaslt.py; the epilogue is
 #   1.06-1.08x the FP8 engine at 128 x 128 on the H200). Session 12 left it
 #   opt-in after a graph capture failed once; the cause was garbage collected
 #   during a capture, which engine/cuda_graphs.capturing now holds off
 #   (notes/gpu.md, session 13);
 # - BERTH_FP8_TUNED=0: FP8 layers run QKV, attention-out and FFN-out through
 #   torch._scaled_mm (the heuristic's first algorithm) instead of cuBLASLt
-#   products with an algorithm timed on their shape (engine/cublaslt.py);
+#   products with an algorithm timed on their shape (engine/cuda/cublaslt.py);
 # - BERTH_FP16_TUNED=0: fp16 (and bf16) layers run their cuBLAS products
 #   through torch (the heuristic's first algorithm, with a workspace it
 #   zeroes first: a memset node before each product in a graph) instead of
@@ -256,7 +256,7 @@ class FusedForward:
         is FP8 too (this layer's closing LayerNorm writes its e4m3 input), and
         with ``epilogue``, FFN-in as one cuBLASLt product that applies the
         activation and writes FFN-out's e4m3 input, and with ``tuned``, the
-        other products as cuBLASLt's with timed algorithms (engine/cublaslt.py)."""
+        other products as cuBLASLt's with timed algorithms (engine/cuda/cublaslt.py)."""
         ready = [_fp8_ready(layer) for layer in self.layers]
         act = {kernels.ACT_GELU_TANH: "gelu_tanh", kernels.ACT_RELU: "relu"}
         plans: list[Fp8Layer | None] = []
@@ -319,7 +319,7 @@ class FusedForward:
         tokens follow row b - 1's, and every matmul, LayerNorm and attention
         runs on ``tokens`` rows (at least the rows' total; see :meth:`packs`)
         instead of B * L, padding computed for none. ``tokens`` = B * L says
-        every row is full (the caller's promise, engine/cuda_graphs.py's
+        every row is full (the caller's promise, engine/cuda/graphs.py's
         ladder keeps it): packed is padded then, and attention runs with no
         mask (FULL_ROWS)."""
         batch, length = ids.shape

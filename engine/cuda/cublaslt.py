@@ -1,7 +1,7 @@
 """cuBLASLt products that torch does not make: FP8 with more in the
 epilogue, and fp16/bf16 with an algorithm timed on the shape.
 
-The fused forward's FP8 layer (engine/fused.py) feeds FFN-out with FFN-in's
+The fused forward's FP8 layer (engine/cuda/forward.py) feeds FFN-out with FFN-in's
 activations in e4m3. ``torch._scaled_mm`` takes no epilogue but a bias, so
 with it FFN-in writes fp16 and a separate pass (engine/kernels.quantize_e4m3)
 applies GELU and writes e4m3: on the H200 at 16,384 tokens, 73 us of product
@@ -38,7 +38,7 @@ CUDA, no libcublasLt, no algorithm at load), :func:`fp8_epilogue_gemm` and
 FFN-in, the separate pass); so does a token count that has no algorithm
 (``runs``). The engine takes FFN-in's epilogue unless
 ``BERTH_FP8_EPILOGUE=0``, the timed FP8 products unless ``BERTH_FP8_TUNED=0``
-and the timed fp16/bf16 ones unless ``BERTH_FP16_TUNED=0`` (engine/fused.py).
+and the timed fp16/bf16 ones unless ``BERTH_FP16_TUNED=0`` (engine/cuda/forward.py).
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ class _Library:
 
     One workspace serves every product on the device, so two of them must
     not run at once on two streams: berth's engine runs one stream per GPU
-    (engine/cuda_backend.py), and a graph bakes the workspace's address in."""
+    (engine/cuda/backend.py), and a graph bakes the workspace's address in."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib

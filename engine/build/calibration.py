@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 
 log = logging.getLogger("berth.engine")
 
-TEXTS_FILE = Path(__file__).with_name("data") / "calibration_texts.txt"
+TEXTS_FILE = Path(__file__).parent.parent / "data" / "calibration_texts.txt"
 CALIBRATION_COUNT = 256
 
 

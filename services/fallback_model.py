@@ -9,7 +9,7 @@ probabilities over the same labels in the same order.
 
 A text's vector is the weighted mean of its tokens' static vectors,
 L2-normalized, then an affine map into the primary's space
-(engine/fallback_build.py says how each part is made). A classifier applies
+(engine/build/fallback.py says how each part is made). A classifier applies
 the primary's own head to it. The artifact, ``<model>/fallback.safetensors``,
 holds tensors and string metadata only: loading it never unpickles and never
 imports torch.

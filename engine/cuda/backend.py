@@ -14,11 +14,11 @@ torch on any device. Settings from the environment:
 - ``BERTH_EXACT_GELU=1``: erf GELU after the matmul instead of the tanh form
   in the cuBLASLt epilogue;
 - ``BERTH_CUDA_PACK=0``: large shapes stay padded (by default they run
-  packed: no padding token computed, engine/cuda_graphs.py);
+  packed: no padding token computed, engine/cuda/graphs.py);
 - ``BERTH_PDL=0``: no programmatic dependent launches (on by default on
-  Hopper and later, engine/fused.py);
+  Hopper and later, engine/cuda/forward.py);
 - ``BERTH_PRELOAD=0``: few-token shapes keep kernels.SMALL_LINEAR's GEMMs,
-  never timing PRELOAD_LINEAR's against them (engine/fused.py).
+  never timing PRELOAD_LINEAR's against them (engine/cuda/forward.py).
 
 One batch: write the wire bytes into a pinned slot, pad to the next
 captured batch size, enqueue (copy in, replay, copy out) on the engine's
@@ -43,7 +43,8 @@ import numpy as np
 import torch
 
 from engine.backend import Backend, BackendError
-from engine.cuda_graphs import (
+from engine.cuda.forward import FusedForward
+from engine.cuda.graphs import (
     Buffers,
     GraphCache,
     Shape,
@@ -52,9 +53,8 @@ from engine.cuda_graphs import (
     packed_tokens,
     token_ladder,
 )
-from engine.fused import FusedForward
+from engine.cuda.pinned import Slot, SlotRing
 from engine.model import ServedModel
-from engine.pinned import Slot, SlotRing
 from engine.torch_backend import TorchBackend, check_batch, resolve_device
 from services.config import env
 from services.repository import ModelEntry

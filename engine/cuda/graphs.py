@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from engine.pinned import cuda_runtime
+from engine.cuda.pinned import cuda_runtime
 
 log = logging.getLogger("berth.engine")
 
@@ -104,7 +104,7 @@ def capturing(graph: torch.cuda.CUDAGraph, **kwargs: Any) -> Iterator[None]:
 
     A collection that runs during a capture frees whatever dead cycles hold:
     an earlier model's graphs (cudaGraphExecDestroy) or pinned buffers
-    (engine/pinned.py: cudaFreeHost). Neither is allowed while a stream
+    (engine/cuda/pinned.py: cudaFreeHost). Neither is allowed while a stream
     captures; CUDA invalidates the capture and it fails at its next launch
     ("operation failed due to a previous error during capture"). torch ran a
     collection before each capture until 2.9, none since (pytorch#161037,

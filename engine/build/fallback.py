@@ -2,7 +2,7 @@
 
 ``berth build-models`` calls :func:`build_fallbacks` once the models are
 built. For each entry it writes ``<repo>/<model>/fallback.safetensors``
-(read at serve time by gateway/fallback.py) from installed files only:
+(read at serve time by services/fallback_model.py) from installed files only:
 
 1. Distil: every vocabulary id t runs through the primary as [CLS] t [SEP];
    the hidden state at t is its static vector. (The mean of all three
@@ -44,12 +44,12 @@ from tokenizers import Tokenizer
 
 from engine.encoder import load_encoder
 from engine.heads import load_classifier_head, make_pooling
-from gateway.fallback import FORMAT, FallbackModel, fallback_path
+from services.fallback_model import FORMAT, FallbackModel, fallback_path
 from services.repository import ModelEntry, load_repository
 
 log = logging.getLogger("berth.models")
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parent.parent / "data"
 FIT_TEXTS = DATA / "fallback_texts.txt"
 HELDOUT_UTTERANCES = DATA / "heldout_utterances.txt"
 HELDOUT_GENERAL = DATA / "heldout_general.txt"

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.calibration import TokenBatch, load_tokenizer, pad_batches, tokenize
+from engine.build.calibration import TokenBatch, load_tokenizer, pad_batches, tokenize
 
 log = logging.getLogger("berth.engine")
 

@@ -1,0 +1,1 @@
+"""Build-time code: CPU fallbacks, calibration, ONNX export and TensorRT builds."""

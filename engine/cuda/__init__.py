@@ -1,0 +1,1 @@
+"""The GPU path: berth's fused forward in CUDA graphs, its kernels and products."""
