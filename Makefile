@@ -30,7 +30,7 @@ models: $(REPO)/minilm/fallback.safetensors
 # The default models and their CPU fallbacks (the fallback is built last).
 # Rebuilt when their definition changes too (build-models rewrites only what
 # is out of date; touch: it may have found nothing to rewrite).
-$(REPO)/minilm/fallback.safetensors: $(VENV)/.installed services/default_models.py
+$(REPO)/minilm/fallback.safetensors: $(VENV)/.installed services/cli/default_models.py
 	$(BERTH) build-models --model-repository $(REPO)
 	touch $@
 

@@ -634,7 +634,7 @@ cdef class BucketCore:
         cdef int64_t total = 0
         # Pad the whole batch, then copy each row over it: one long loop, where
         # a pad loop per row of varying length mispredicts a branch or two
-        # (a fifth of the time next_batch took).
+        # (a fifth of next_batch's time).
         dst = self.out_tok_p[k]
         for j in range(size * length):
             dst[j] = pad

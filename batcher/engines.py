@@ -19,8 +19,7 @@ log = logging.getLogger("berth.batcher")
 
 MAX_EJECTION_S = 30.0
 # How often an engine that is loading its models is asked again whether it
-# is done (EngineClient._handshake): one cheap call, at the rate every
-# reconnect was tried at before the back-off.
+# is done (EngineClient._handshake): one cheap call, five times a second.
 LOADING_POLL_S = 0.2
 
 
@@ -212,8 +211,8 @@ class EnginePool:
     def next_batch_id(self) -> int:
         """An id no other batch of this pool has: every model's batches share
         each engine's one stream, whose answers are matched to batches by id
-        (ids counted per model collided, and a batch got another model's
-        answer)."""
+        (ids counted per model would collide, and a batch would get another
+        model's answer)."""
         return next(self._batch_ids)
 
     def subscribe(self, listener: Callable[[], None]) -> None:
@@ -222,9 +221,8 @@ class EnginePool:
     def _changed(self) -> None:
         """Tell every listener, a different one first each time. The models'
         schedulers share the engines' slots, and the one woken first takes a
-        freed slot: always waking the same one first let a model with a
-        backlog starve the others (400 of its sequences went before another
-        model's one, tests/batcher/test_dispatch.py)."""
+        freed slot: always waking the same one first would let a model with a
+        backlog starve the others (tests/batcher/test_dispatch.py)."""
         listeners = self._listeners
         first = next(self._turns) % len(listeners) if listeners else 0
         for listener in listeners[first:] + listeners[:first]:

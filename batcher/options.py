@@ -1,12 +1,32 @@
-"""The batching and fault-tolerance flags, shared by the batcher process and
-a gateway that batches inline (``python -m gateway --engines ...``)."""
+"""The batching and fault-tolerance settings: their values and their flags.
+
+Shared by the batcher process and a gateway that batches inline
+(``python -m gateway --engines ...``).
+"""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
-from batcher.scheduler import SchedulerConfig
 from services.config import add_flag
+
+
+@dataclass
+class SchedulerConfig:
+    """Batching and fault-tolerance knobs shared by every model of a batcher."""
+
+    token_budget: int = 16384
+    max_delay_s: float = 0.005
+    capacity: int = 4096
+    max_batch: int = 256
+    hedge_delay_s: float = 0.050
+    hedge_p95: bool = False  # hedge after max(hedge_delay_s, measured p95)
+    hedge_ratio: float = 0.1
+    batch_timeout_s: float = 30.0
+    breaker_failures: int = 3
+    breaker_cooldown_s: float = 5.0
+    latency_target_s: float = 0.050  # per batch, for the adaptive sizes
 
 
 def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:

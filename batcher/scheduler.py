@@ -1,10 +1,10 @@
 """Per-model scheduling: one asyncio task owns the model's bucket queues.
 
 Gateways' sequences are pushed into the model's :class:`BucketCore`; the loop
-forms padded batches whenever an engine has a free slot and sends them out.
-A batch that is slow gets hedged to a second engine, one whose engine fails
-is re-sent, and failures feed the model's circuit breaker. Results are split
-per sequence and handed back to whoever submitted them.
+forms padded batches whenever an engine has a free slot and hands them to the
+model's :class:`~batcher.dispatch.Dispatcher`, which runs them on the engines
+and answers each sequence. Work the scheduler cannot take is refused at once:
+a malformed entry, a full queue, no engine, an open circuit.
 """
 
 from __future__ import annotations
@@ -15,36 +15,24 @@ import logging
 import math
 import time
 from array import array
-from collections import deque
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import grpc
-import numpy as np
-from opentelemetry import trace
-from opentelemetry.trace import INVALID_SPAN, Link
+from opentelemetry.trace import INVALID_SPAN
 
 from batcher import metrics
 from batcher.adaptive import AdaptiveSizer
 from batcher.core import REASON_CANCELLED, Batch, BucketCore, QueueFull
-from batcher.engines import EngineClient, EnginePool
-from batcher.resilience import BreakerState, CircuitBreaker, HedgeBudget
-from services.errors import BerthError, EngineFailure, Unavailable
+from batcher.dispatch import Dispatcher
+from batcher.engines import EnginePool
+from batcher.options import SchedulerConfig
+from batcher.resilience import BreakerState, CircuitBreaker
+from batcher.sequences import Deliver, Waiter, error_result, malformed
 from services.proto.berth.v1 import internal_pb2
 from services.repository import ModelEntry
-from services.telemetry import (
-    Span,
-    extract,
-    inject,
-    record_error,
-    recording,
-    tracer,
-)
+from services.telemetry import Span, extract, recording, tracer
 
 log = logging.getLogger("berth.batcher")
 TRACER = tracer("batcher")
-
-Deliver = Callable[[internal_pb2.SequenceResult], None]
 
 # How long queued work waits for an engine when none is connected at all
 # before it is failed (so the gateway can fall back instead of hanging).
@@ -52,126 +40,6 @@ NO_ENGINE_GRACE_S = 2.0
 # With work queued and no engine slot free, the loop looks again this often
 # (an ejection may end without anything waking it).
 ENGINE_POLL_S = 0.05
-
-
-@dataclass
-class SchedulerConfig:
-    """Batching and fault-tolerance knobs shared by every model of a batcher."""
-
-    token_budget: int = 16384
-    max_delay_s: float = 0.005
-    capacity: int = 4096
-    max_batch: int = 256
-    hedge_delay_s: float = 0.050
-    hedge_p95: bool = False  # hedge after max(hedge_delay_s, measured p95)
-    hedge_ratio: float = 0.1
-    batch_timeout_s: float = 30.0
-    breaker_failures: int = 3
-    breaker_cooldown_s: float = 5.0
-    latency_target_s: float = 0.050  # per batch, for the adaptive sizes
-
-
-@dataclass
-class Waiter:
-    """Who gets the answer of one queued sequence, and its queue span."""
-
-    reply_id: int
-    deliver: Deliver
-    enqueued_at: float
-    span: Span
-
-
-P95_EVERY = 16  # batch latencies between recomputations of a bucket's p95
-
-
-def _error(
-    reply_id: int, code: grpc.StatusCode, message: str
-) -> internal_pb2.SequenceResult:
-    return internal_pb2.SequenceResult(id=reply_id, code=code.value[0], message=message)
-
-
-def answer_all(
-    ids: Iterable[int], code: grpc.StatusCode, message: str, send: Deliver
-) -> None:
-    """Answer each of ``ids`` with one error."""
-    for seq_id in ids:
-        send(_error(seq_id, code, message))
-
-
-def malformed(group: internal_pb2.Sequences, max_tokens: int) -> str | None:
-    """What is wrong with one Sequences entry, naming the field and its value;
-    None when it is well-formed.
-
-    The gateway never sends a malformed entry, but another client of the
-    internal API (or a bug) may: token bytes that are no whole number of
-    int32 (which made the batcher's stream handler raise, ending the stream
-    and every request on it), offsets that do not tile token_ids from 0 to
-    its end (a sequence's tokens would be cut from the wrong place, or the
-    tail ignored), a sequence of no tokens or more than the model takes, or
-    an id twice (two answers for one id). Sequences are checked in order and
-    the first fault is named by its sequence's id. (The core checks lengths
-    and bounds too, as a last line, but names neither ids nor the model.)
-
-    It runs for every request: 1.05 µs for one sequence on the dev machine,
-    where all of ModelScheduler.submit takes 7 to 8.
-    """
-    ids = group.ids
-    n = len(ids)
-    token_bytes, offset_bytes = len(group.token_ids), len(group.offsets)
-    if not n:
-        return "ids is empty"
-    if token_bytes % 4:
-        return (
-            f"token_ids holds {token_bytes} bytes, not a whole number of int32 "
-            "tokens (a multiple of 4)"
-        )
-    if offset_bytes % 4:
-        return (
-            f"offsets holds {offset_bytes} bytes, not a whole number of int32 "
-            "offsets (a multiple of 4)"
-        )
-    if offset_bytes // 4 != n + 1:
-        return (
-            f"offsets holds {offset_bytes // 4} entries; {n} ids need "
-            f"len(ids) + 1 = {n + 1}"
-        )
-    offsets = memoryview(group.offsets).cast("i")
-    n_tokens = token_bytes // 4
-    if offsets[0] != 0:
-        return f"offsets[0] is {offsets[0]}; it must be 0"
-    start = 0
-    for i in range(n):
-        end = offsets[i + 1]
-        if end > n_tokens:
-            return (
-                f"offsets[{i + 1}] = {end} is past the {n_tokens} tokens of "
-                f"token_ids (sequence id {ids[i]})"
-            )
-        if end < start:
-            return (
-                f"offsets decrease at sequence id {ids[i]}: offsets[{i}] = "
-                f"{start} > offsets[{i + 1}] = {end}"
-            )
-        if end == start:
-            return (
-                f"sequence id {ids[i]} has no tokens (offsets[{i}] = "
-                f"offsets[{i + 1}] = {end})"
-            )
-        if end - start > max_tokens:
-            return (
-                f"sequence id {ids[i]} has {end - start} tokens; the model takes "
-                f"at most {max_tokens}"
-            )
-        start = end
-    if start != n_tokens:
-        return f"offsets end at {start}, but token_ids holds {n_tokens} tokens"
-    if len(set(ids)) != n:
-        seen: set[int] = set()
-        for seq_id in ids:
-            if seq_id in seen:
-                return f"sequence id {seq_id} appears twice in ids"
-            seen.add(seq_id)
-    return None
 
 
 class ModelScheduler:
@@ -201,16 +69,19 @@ class ModelScheduler:
             cooldown_s=config.breaker_cooldown_s,
             on_change=lambda s: metrics.BREAKER_STATE.labels(self.name).set(s.value),
         )
-        self.hedges = HedgeBudget(config.hedge_ratio)
         self.sizer = AdaptiveSizer(self.core, config.latency_target_s, model=entry.name)
-        self.latencies = [deque[float](maxlen=256) for _ in entry.buckets]
-        # Per bucket: the hedge delay's p95 and how many latencies ago it was
-        # computed (np.percentile per batch was 7 % of a batcher's samples).
-        self._p95: list[tuple[float, int]] = [(0.0, P95_EVERY)] * len(entry.buckets)
         self.waiters: dict[int, Waiter] = {}
+        self.dispatcher = Dispatcher(
+            entry.name,
+            len(entry.buckets),
+            pool,
+            config,
+            self.breaker,
+            self.sizer,
+            self.waiters,
+        )
         self._ids = itertools.count(1)
         self._wake = asyncio.Event()
-        self._inflight: set[asyncio.Task[None]] = set()
         self._task: asyncio.Task[None] | None = None
         self._engineless_since: float | None = None
         self._stopped = False  # drained: nothing batches what is queued now
@@ -299,7 +170,7 @@ class ModelScheduler:
     ) -> None:
         metrics.SEQUENCES.labels(self.name, outcome).inc(len(group.ids))
         for reply_id in group.ids:
-            deliver(_error(reply_id, code, message))
+            deliver(error_result(reply_id, code, message))
 
     def accepting(self) -> bool:
         """Whether :meth:`submit` would queue work now (not refuse it)."""
@@ -331,7 +202,7 @@ class ModelScheduler:
 
     async def drain(self) -> None:
         """Send everything queued, wait for the answers, then stop."""
-        while len(self.core) or self._inflight:
+        while len(self.core) or self.dispatcher.running:
             self._wake.set()
             await asyncio.sleep(0.01)
         self._stopped = True  # (drained before it started: refuse work too)
@@ -354,7 +225,7 @@ class ModelScheduler:
             self._report_dropped()
             if batch is not None and engine is not None:
                 if self.breaker.allow():
-                    self._dispatch(engine, batch)
+                    self.dispatcher.dispatch(engine, batch)
                 else:
                     self._fail_batch(batch, f"circuit for {self.name!r} is open")
                 continue
@@ -401,12 +272,14 @@ class ModelScheduler:
             if reason == REASON_CANCELLED:
                 metrics.SEQUENCES.labels(self.name, "cancelled").inc()
                 waiter.deliver(
-                    _error(waiter.reply_id, grpc.StatusCode.CANCELLED, "cancelled")
+                    error_result(
+                        waiter.reply_id, grpc.StatusCode.CANCELLED, "cancelled"
+                    )
                 )
             else:
                 metrics.SEQUENCES.labels(self.name, "expired").inc()
                 waiter.deliver(
-                    _error(
+                    error_result(
                         waiter.reply_id,
                         grpc.StatusCode.DEADLINE_EXCEEDED,
                         f"deadline passed while queued for {self.name!r}",
@@ -420,275 +293,5 @@ class ModelScheduler:
                 waiter.span.end()
                 metrics.SEQUENCES.labels(self.name, "unavailable").inc()
                 waiter.deliver(
-                    _error(waiter.reply_id, grpc.StatusCode.UNAVAILABLE, reason)
+                    error_result(waiter.reply_id, grpc.StatusCode.UNAVAILABLE, reason)
                 )
-
-    # ---- one batch ---------------------------------------------------------
-
-    def _dispatch(self, engine: EngineClient, batch: Batch) -> None:
-        now = time.monotonic()
-        keys = [int(k) for k in batch.ids]
-        length = batch.length
-        ratio = batch.real_tokens / (batch.size * length)
-        queue_wait = metrics.QUEUE_WAIT.labels(self.name, length)
-        traced = recording()
-        links = []
-        for key in keys:
-            waiter = self.waiters.get(key)
-            if waiter is not None:
-                queue_wait.observe(now - waiter.enqueued_at)
-                if traced:
-                    waiter.span.set_attribute("berth.bucket", length)
-                    waiter.span.end()
-                    links.append(Link(waiter.span.get_span_context()))
-        span: Span = INVALID_SPAN
-        trace_context: dict[str, str] = {}
-        if traced:
-            span = TRACER.start_span(
-                "batcher.batch",
-                links=links,
-                attributes={
-                    "berth.model": self.name,
-                    "berth.bucket": length,
-                    "berth.batch_size": batch.size,
-                    "berth.padded_ratio": round(ratio, 4),
-                },
-            )
-            trace_context = inject(trace.set_span_in_context(span))
-        message = internal_pb2.Batch(
-            id=self.pool.next_batch_id(),
-            model=self.name,
-            batch_size=batch.size,
-            length=length,
-            token_ids=bytes(batch.tokens),
-            lengths=bytes(batch.lengths),
-            trace_context=trace_context,
-        )
-        metrics.BATCHES.labels(self.name, length).inc()
-        metrics.BATCH_SIZE.labels(self.name, length).observe(batch.size)
-        metrics.PADDING_RATIO.labels(self.name, length).observe(ratio)
-        # The slot is counted now: the loop picks again before this task runs.
-        # It is freed when the task ends, however it ends (a done callback
-        # runs even for a task cancelled before it started).
-        engine.take_slot()
-        task = asyncio.create_task(self._run(engine, message, keys, batch.bucket, span))
-        self._inflight.add(task)
-        task.add_done_callback(self._inflight.discard)
-        task.add_done_callback(lambda _: self._slot_freed(engine))
-
-    def _slot_freed(self, engine: EngineClient) -> None:
-        engine.free_slot()
-        self.pool.completed()
-
-    async def _run(
-        self,
-        engine: EngineClient,
-        message: internal_pb2.Batch,
-        keys: list[int],
-        bucket: int,
-        span: Span,
-    ) -> None:
-        started = time.monotonic()
-        try:
-            result = await self._execute(engine, message, bucket)
-            # An answer of the wrong size fails here, its callers answered.
-            outputs = np.frombuffer(result.output, dtype="<f4").reshape(
-                len(keys), result.width
-            )
-            self.breaker.record_success()
-        except Exception as exc:
-            if not isinstance(exc, BerthError):  # a bug: answered, never dropped
-                log.exception("batch %d of %s failed", message.id, self.name)
-                exc = BerthError(f"batcher failed on a batch of {self.name!r}: {exc}")
-            self.breaker.record_failure(str(exc))
-            record_error(span, exc)
-            for key in keys:
-                waiter = self.waiters.pop(key, None)
-                if waiter is not None:
-                    metrics.SEQUENCES.labels(self.name, "failed").inc()
-                    waiter.deliver(_error(waiter.reply_id, exc.code, str(exc)))
-            return
-        finally:
-            span.end()
-        latency = time.monotonic() - started
-        self.record_latency(bucket, latency)
-        metrics.BATCH_LATENCY.labels(self.name, message.length).observe(latency)
-        self.hedges.earn()
-        self._adapt(bucket, message, result)
-        inference_us = int(latency * 1e6)
-        answered = 0
-        for row, key in enumerate(keys):
-            waiter = self.waiters.pop(key, None)
-            if waiter is None:  # cancelled while computing
-                continue
-            answered += 1
-            waiter.deliver(
-                internal_pb2.SequenceResult(
-                    id=waiter.reply_id,
-                    output=outputs[row].tobytes(),
-                    queue_us=int((started - waiter.enqueued_at) * 1e6),
-                    inference_us=inference_us,
-                    bucket=message.length,
-                    batch_size=message.batch_size,
-                )
-            )
-        metrics.SEQUENCES.labels(self.name, "ok").inc(answered)
-
-    async def _execute(
-        self, engine: EngineClient, message: internal_pb2.Batch, bucket: int
-    ) -> internal_pb2.BatchResult:
-        """Run the batch, hedged; if its engine fails, re-send to another.
-        The first engine's slot was taken at dispatch (``_dispatch``)."""
-        tried: set[EngineClient] = set()
-        slot_taken = True
-        while True:
-            tried.add(engine)
-            try:
-                return await self._hedged(engine, message, bucket, tried, slot_taken)
-            except (Unavailable, EngineFailure) as exc:
-                retry = self.pool.pick(self.name, exclude=tried, any_slot=True)
-                if retry is None:
-                    raise
-                metrics.RESENDS.labels(self.name).inc()
-                log.warning(
-                    "re-sending batch %d to %s: %s", message.id, retry.address, exc
-                )
-                engine, slot_taken = retry, False
-
-    async def _hedged(
-        self,
-        engine: EngineClient,
-        message: internal_pb2.Batch,
-        bucket: int,
-        tried: set[EngineClient],
-        slot_taken: bool = False,
-    ) -> internal_pb2.BatchResult:
-        """One attempt; past the hedge delay, a second engine races it."""
-        first = self._start_attempt(engine, message, slot_taken)
-        attempts = {first: engine}
-        try:
-            done, _ = await asyncio.wait(attempts, timeout=self._hedge_delay(bucket))
-            if not done:
-                # Only to an engine with a free slot: one queued behind a full
-                # engine's work rarely wins and takes capacity the load needs
-                # (3 x 8 s at 270/s on 2 cores: p99 167-402 ms -> 135-223 ms).
-                backup = self.pool.pick(self.name, exclude=tried)
-                if backup is not None and self.hedges.try_spend():
-                    tried.add(backup)
-                    metrics.HEDGES.labels(self.name, "sent").inc()
-                    attempts[self._start_attempt(backup, message)] = backup
-            return await self._race(first, attempts)
-        finally:
-            # Whatever ended the race (a winner, or this task cancelled), the
-            # attempts still running are called off: dropped before compute.
-            for task, attempt_engine in attempts.items():
-                if not task.done():
-                    task.cancel()
-                    attempt_engine.cancel(message.id)
-
-    def _start_attempt(
-        self,
-        engine: EngineClient,
-        message: internal_pb2.Batch,
-        slot_taken: bool = False,
-    ) -> asyncio.Task[internal_pb2.BatchResult]:
-        """Start one attempt; ``slot_taken``: its slot was counted at dispatch.
-
-        Otherwise (a hedge, a re-send) the slot is counted now, not when the
-        task first runs: the loop may pick before then, and gave a hedge's
-        engine a batch beyond its slots. It is freed once, when the task ends
-        however it ends (won, lost, cancelled, failed)."""
-        task = asyncio.ensure_future(self._attempt(engine, message))
-        if not slot_taken:
-            engine.take_slot()
-            task.add_done_callback(lambda _: self._slot_freed(engine))
-        return task
-
-    async def _race(
-        self,
-        first: asyncio.Task[internal_pb2.BatchResult],
-        attempts: dict[asyncio.Task[internal_pb2.BatchResult], EngineClient],
-    ) -> internal_pb2.BatchResult:
-        """The result of the first attempt to succeed, else the last error.
-        ``first``: the primary attempt, the others its hedge."""
-        primary = attempts[first]
-        pending = set(attempts)
-        error: BaseException | None = None
-        while pending:
-            # Most often the attempt is over already (_hedged waited for it):
-            # asyncio.wait would still take two turns of the event loop.
-            done = {task for task in pending if task.done()}
-            if done:
-                pending -= done
-            else:
-                done, pending = await asyncio.wait(
-                    pending, return_when=asyncio.FIRST_COMPLETED
-                )
-            for task in done:
-                if task.exception() is None:
-                    if first in pending:  # the hedge won the race
-                        metrics.HEDGES.labels(self.name, "won").inc()
-                        self.hedges.won += 1
-                        # The primary stalled: let it sit out a back-off,
-                        # unless this batch shared it with another (then
-                        # it was busy: queued behind, or ahead of, work).
-                        if primary.in_flight <= 1:
-                            primary.record_failure("slower than its hedge")
-                    return task.result()
-                error = task.exception()
-        assert error is not None
-        raise error
-
-    async def _attempt(
-        self, engine: EngineClient, message: internal_pb2.Batch
-    ) -> internal_pb2.BatchResult:
-        try:
-            # (asyncio.timeout, not wait_for: on Python 3.11 wait_for runs the
-            # call as a task of its own, one more hand-off per batch.)
-            async with asyncio.timeout(self.config.batch_timeout_s):
-                result = await engine.run(message)
-        except TimeoutError:
-            engine.cancel(message.id)
-            engine.record_failure("batch timed out")
-            raise Unavailable(
-                f"engine {engine.address} did not answer a batch of {self.name!r} in "
-                f"{self.config.batch_timeout_s} s (--batch-timeout-s)"
-            ) from None
-        except Unavailable as exc:
-            engine.record_failure(str(exc))
-            raise
-        if result.code != 0:
-            engine.record_failure(result.message)
-            raise EngineFailure(f"engine {engine.address}: {result.message}")
-        engine.record_success()
-        if result.gpu_utilization >= 0:
-            engine.gpu_utilization = result.gpu_utilization
-            metrics.GPU_UTILIZATION.labels(engine.address).set(
-                result.gpu_utilization / 100
-            )
-        return result
-
-    def _adapt(
-        self, bucket: int, message: internal_pb2.Batch, result: internal_pb2.BatchResult
-    ) -> None:
-        """Feed the engine's own timing (not our queueing) to the sizer."""
-        engine_s = (result.copy_in_us + result.compute_us + result.copy_out_us) / 1e6
-        utilization = result.gpu_utilization if result.gpu_utilization >= 0 else None
-        size = self.sizer.report(bucket, message.batch_size, engine_s, utilization)
-        metrics.TARGET_BATCH.labels(self.name, message.length).set(size)
-
-    def record_latency(self, bucket: int, latency: float) -> None:
-        self.latencies[bucket].append(latency)
-        p95, age = self._p95[bucket]
-        self._p95[bucket] = (p95, age + 1)
-
-    def _hedge_delay(self, bucket: int) -> float:
-        delay = self.config.hedge_delay_s
-        recent = self.latencies[bucket]
-        if self.config.hedge_p95 and len(recent) >= 20:
-            p95, age = self._p95[bucket]
-            if age >= P95_EVERY:
-                p95, age = float(np.percentile(recent, 95)), 0
-                self._p95[bucket] = (p95, age)
-            delay = max(delay, p95)
-        return delay

@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from batcher.scheduler import Deliver, ModelScheduler, answer_all
+from batcher.local import LocalBatcher
+from batcher.sequences import Deliver, answer_all
 from services.proto.berth.v1 import internal_pb2, internal_pb2_grpc
 
 log = logging.getLogger("berth.batcher")
@@ -17,33 +18,23 @@ log = logging.getLogger("berth.batcher")
 # this many per message, so a busy stream sends few large messages.
 MAX_RESULTS_PER_MESSAGE = 512
 
-
-def describe(schedulers: dict[str, ModelScheduler]) -> internal_pb2.BatcherModels:
-    """Each model's circuit state and how many engines can take its batches."""
-    return internal_pb2.BatcherModels(
-        models=[
-            internal_pb2.BatcherModel(
-                name=name,
-                state=s.breaker.label,
-                healthy_engines=len(s.pool.available(name)),
-            )
-            for name, s in schedulers.items()
-        ]
-    )
+# A stream's queued sequences: the gateway's sequence id -> (model, key in
+# that model's scheduler).
+Queued = dict[int, tuple[str, int]]
 
 
 class BatcherService(internal_pb2_grpc.BatcherServicer):
     """Multiplexes gateways' sequences into the per-model schedulers."""
 
-    def __init__(self, schedulers: dict[str, ModelScheduler]) -> None:
-        self.schedulers = schedulers
+    def __init__(self, batcher: LocalBatcher) -> None:
+        self.batcher = batcher
 
     async def Models(
         self,
         request: internal_pb2.BatcherModelsRequest,
         context: grpc.aio.ServicerContext,
     ) -> internal_pb2.BatcherModels:
-        return describe(self.schedulers)
+        return self.batcher.describe()
 
     async def Submit(
         self,
@@ -51,8 +42,7 @@ class BatcherService(internal_pb2_grpc.BatcherServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[internal_pb2.BatcherMessage]:
         out: asyncio.Queue[internal_pb2.SequenceResult | None] = asyncio.Queue()
-        # gateway's sequence id -> (scheduler, key in that scheduler)
-        queued: dict[int, tuple[ModelScheduler, int]] = {}
+        queued: Queued = {}
 
         answered = asyncio.Event()  # set once nothing is left queued
 
@@ -66,11 +56,11 @@ class BatcherService(internal_pb2_grpc.BatcherServicer):
             try:
                 async for message in request_iterator:
                     for group in message.sequences:
-                        self._guarded_submit(group, deliver, out.put_nowait, queued)
+                        self._submit(group, deliver, out.put_nowait, queued)
                     for seq_id in message.cancel.ids:
                         entry = queued.pop(seq_id, None)
                         if entry is not None:
-                            entry[0].cancel(entry[1])
+                            self.batcher.cancel(*entry)
                 # The gateway closed its side only (a hang-up cancels this
                 # task): it still reads, so what it sent is answered first.
                 while queued:
@@ -78,8 +68,8 @@ class BatcherService(internal_pb2_grpc.BatcherServicer):
                     await answered.wait()
             finally:
                 # The gateway hung up: nobody is left to answer.
-                for scheduler, key in queued.values():
-                    scheduler.cancel(key)
+                for model, key in queued.values():
+                    self.batcher.cancel(model, key)
                 out.put_nowait(None)
 
         reader = asyncio.create_task(read())
@@ -96,19 +86,32 @@ class BatcherService(internal_pb2_grpc.BatcherServicer):
         finally:
             reader.cancel()
 
-    def _guarded_submit(
+    def _submit(
         self,
         group: internal_pb2.Sequences,
         deliver: Deliver,
         reply: Deliver,
-        queued: dict[int, tuple[ModelScheduler, int]],
+        queued: Queued,
     ) -> None:
-        """Queue one entry; an error queuing it (a bug) fails its ids alone.
+        """Queue one entry with its model's scheduler, which answers it at
+        once if malformed (:func:`batcher.sequences.malformed`) or refused
+        (:meth:`batcher.local.LocalBatcher.submit`).
 
-        Raised in the stream's reader it ended the whole stream: every
-        request of the gateway in flight on it, for one bad entry."""
+        ``deliver`` answers a queued id and forgets it; ``reply`` only sends
+        the answer. An id this stream still waits on is refused through
+        ``reply``: its queued namesake keeps its place in ``queued``, so that
+        it can still be cancelled, and the stream waits for its answer.
+
+        An error queuing the entry (a bug) fails its ids alone: raised in the
+        stream's reader it would end the whole stream, every request of the
+        gateway in flight on it, for one bad entry."""
         try:
-            self._submit(group, deliver, reply, queued)
+            if not queued.keys().isdisjoint(group.ids):
+                code = grpc.StatusCode.INVALID_ARGUMENT
+                answer_all(group.ids, code, reused(group, queued), reply)
+                return
+            for seq_id, key in self.batcher.submit(group, deliver):
+                queued[seq_id] = (group.model, key)
         except Exception as exc:
             log.exception("queuing sequences %s for %r failed", group.ids, group.model)
             message = (
@@ -117,33 +120,12 @@ class BatcherService(internal_pb2_grpc.BatcherServicer):
             )
             answer_all(group.ids, grpc.StatusCode.INTERNAL, message, reply)
 
-    def _submit(
-        self,
-        group: internal_pb2.Sequences,
-        deliver: Deliver,
-        reply: Deliver,
-        queued: dict[int, tuple[ModelScheduler, int]],
-    ) -> None:
-        """Queue one entry with its model's scheduler, which answers it at
-        once if malformed (:func:`batcher.scheduler.malformed`) or refused.
 
-        ``deliver`` answers a queued id and forgets it; ``reply`` only sends
-        the answer. An id this stream still waits on is refused through
-        ``reply``: its queued namesake keeps its place in ``queued``, so that
-        it can still be cancelled, and the stream waits for its answer."""
-        if not queued.keys().isdisjoint(group.ids):
-            taken = next(seq_id for seq_id in group.ids if seq_id in queued)
-            message = (
-                f"malformed Sequences for model {group.model!r}: sequence id "
-                f"{taken} is already queued on this stream (ids must be unique "
-                "among a stream's unanswered sequences)"
-            )
-            answer_all(group.ids, grpc.StatusCode.INVALID_ARGUMENT, message, reply)
-            return
-        scheduler = self.schedulers.get(group.model)
-        if scheduler is None:
-            message = f"batcher does not serve model {group.model!r}"
-            answer_all(group.ids, grpc.StatusCode.NOT_FOUND, message, deliver)
-            return
-        for seq_id, key in scheduler.submit(group, deliver):
-            queued[seq_id] = (scheduler, key)
+def reused(group: internal_pb2.Sequences, queued: Queued) -> str:
+    """Why an entry with an id this stream still waits on is refused."""
+    taken = next(seq_id for seq_id in group.ids if seq_id in queued)
+    return (
+        f"malformed Sequences for model {group.model!r}: sequence id "
+        f"{taken} is already queued on this stream (ids must be unique "
+        "among a stream's unanswered sequences)"
+    )

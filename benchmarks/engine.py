@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -56,6 +55,7 @@ from benchmarks.random_models import (  # noqa: E402
     VOCAB,
     write_random_checkpoint,
 )
+from engine import settings as engine_settings  # noqa: E402
 from engine.cuda.backend import (  # noqa: E402
     DEFAULT_INPUT,
     INPUT_MODES,
@@ -464,7 +464,7 @@ def main() -> None:
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "input_mode": os.environ.get("BERTH_CUDA_INPUT", DEFAULT_INPUT),
+        "input_mode": engine_settings.current().cuda_input,
     }
     result.update(ceilings())
     result["matmul_tflops"] = round(result["matmul_fp16_tflops"], 1)

@@ -51,7 +51,7 @@ MODELS = ("minilm", "intent")
 def repository(path: Path, workdir: Path) -> Path:
     """``path`` if its fallbacks are built, else a copy with them built."""
     if not (path / "minilm" / "berth.json").is_file():
-        from services.default_models import build_default_repository
+        from services.cli.default_models import build_default_repository
 
         path = workdir / "model_repository"
         build_default_repository(path)

@@ -12,10 +12,10 @@ the product's epilogue:
 - ``fp8, e4m3 out``: tensor-wise, the output itself e4m3 (timed without
   the bias), what a product costs when it writes half the bytes;
 - ``e4m3 pass``: quantizing the input in a separate pass
-  (engine/kernels.quantize_e4m3 where Triton runs), what a product pays
+  (engine/cuda/kernels/e4m3.py where Triton runs), what a product pays
   when its producer cannot write e4m3 itself;
 - ``fp8 + GELU, e4m3 out``: bias, GELU and e4m3 out in cuBLASLt's epilogue
-  (engine/cuda/cublaslt.py), how the FP8 engine runs FFN-in: compare with
+  (engine/cuda/products.py), how the FP8 engine runs FFN-in: compare with
   ``fp8`` plus an ``e4m3 pass`` of the product's output.
 
 Each is 20 calls captured in one CUDA graph, the best of 7 replays (weights
@@ -42,7 +42,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from engine.cuda import kernels  # noqa: E402
-from engine.cuda.forward import time_in_graph  # noqa: E402
+from engine.cuda.timing import time_in_graph  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 # (name, out features, in features) of a BERT-base layer's projections.
@@ -79,8 +79,8 @@ def gelu_e4m3(
     x8: torch.Tensor, w8: torch.Tensor, one: torch.Tensor, bias: torch.Tensor
 ) -> Callable[[], object]:
     """The product with bias, GELU and e4m3 out in cuBLASLt's epilogue
-    (engine/cuda/cublaslt.py), as the FP8 engine's FFN-in runs it."""
-    from engine.cuda.cublaslt import Fp8EpilogueGemm
+    (engine/cuda/products.py), as the FP8 engine's FFN-in runs it."""
+    from engine.cuda.products import Fp8EpilogueGemm
 
     made: list[Fp8EpilogueGemm] = []
 

@@ -20,7 +20,11 @@ from pathlib import Path
 import torch
 
 from benchmarks.random_models import write_random_checkpoint
-from services.default_models import GPU_BUCKETS, SHORT_TEXT_BUCKETS, minilm_checkpoint
+from services.cli.default_models import (
+    GPU_BUCKETS,
+    SHORT_TEXT_BUCKETS,
+    minilm_checkpoint,
+)
 from services.repository import ModelEntry
 
 log = logging.getLogger("berth.bench")

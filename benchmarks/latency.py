@@ -21,27 +21,29 @@ import re
 import statistics
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import grpc  # noqa: E402
 
+from benchmarks.serving.stack import metrics_page, running, server_cpu  # noqa: E402
 from services.idle import IDLE_CHOICES  # noqa: E402
 from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc  # noqa: E402
-from tests.stack import ROOT, Stack, children  # noqa: E402
+from tests.stack import ROOT, Stack  # noqa: E402
 
 METRIC = re.compile(r"(berth_\w+_seconds)_(sum|count)\{([^}]*)\} (\S+)")
+ROLES = ("gateway", "batcher", "engine")
+
+Readings = dict[tuple[str, str, str], float]  # see scrape()
+CPU = dict[str, float]  # see cpu_seconds()
 
 
-def scrape(urls: list[str]) -> dict[tuple[str, str, str], float]:
+def scrape(urls: list[str]) -> Readings:
     """(metric, labels, sum|count) -> value, over every process's /metrics."""
-    out: dict[tuple[str, str, str], float] = {}
+    out: Readings = {}
     for url in urls:
-        try:
-            text = urllib.request.urlopen(url, timeout=5).read().decode()
-        except OSError:
+        if (text := metrics_page(url)) is None:
             continue
         for line in text.splitlines():
             if m := METRIC.match(line):
@@ -50,18 +52,18 @@ def scrape(urls: list[str]) -> dict[tuple[str, str, str], float]:
     return out
 
 
-def cpu_seconds(parent: int) -> dict[str, float]:
+def cpu_seconds(parent: int) -> CPU:
     """CPU seconds so far of each child of ``parent``, by role."""
-    out: dict[str, float] = {}
-    for argv, cpu in children(parent).values():
-        if "services.idle" in argv:  # --idle-cpus spin: they take what is idle
+    out: CPU = {}
+    for (role, _), cpu in server_cpu(parent).items():
+        if role == "services.idle":  # --idle-cpus spin: they take what is idle
             continue
-        role = next((r for r in ("gateway", "batcher", "engine") if r in argv), "?")
+        role = role if role in ROLES else "?"
         out[role] = out.get(role, 0.0) + cpu
     return out
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--model-repository", type=Path, default=ROOT / "model_repository"
@@ -88,7 +90,34 @@ def main() -> None:
         default="sleep",
         help="spin: `berth serve --idle-cpus spin` (idle CPUs never halt)",
     )
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def measure(
+    args: argparse.Namespace, stack: Stack
+) -> tuple[list[float], tuple[Readings, Readings], tuple[CPU, CPU]]:
+    """The calls' latencies (ms, sorted), the stack's /metrics and its CPU
+    seconds by role, before the calls and after."""
+    stub = berth_pb2_grpc.BerthStub(grpc.insecure_channel(stack.gateway))
+
+    def call(text: str) -> float:
+        began = time.perf_counter()
+        stub.Embed(berth_pb2.EmbedRequest(model=args.model, texts=[text]))
+        return (time.perf_counter() - began) * 1e3
+
+    for i in range(100):  # warm-up (distinct texts: the cache never answers)
+        call(f"warm-up text number {i}")
+    before, cpu_before = scrape(stack.metrics), cpu_seconds(stack.proc.pid)
+    latencies = []
+    for i in range(args.calls):
+        latencies.append(call(f"a short text to embed, number {i}"))
+        time.sleep(args.pause_ms / 1e3)
+    after, cpu_after = scrape(stack.metrics), cpu_seconds(stack.proc.pid)
+    return sorted(latencies), (before, after), (cpu_before, cpu_after)
+
+
+def main() -> None:
+    args = parse_args()
     stack = Stack(
         args.model_repository,
         gateways=args.gateways,
@@ -100,26 +129,8 @@ def main() -> None:
             *("--idle-cpus", args.idle_cpus),
         ],
     )
-    stack.wait_serving(600)
-    try:
-        stub = berth_pb2_grpc.BerthStub(grpc.insecure_channel(stack.gateway))
-
-        def call(text: str) -> float:
-            began = time.perf_counter()
-            stub.Embed(berth_pb2.EmbedRequest(model=args.model, texts=[text]))
-            return (time.perf_counter() - began) * 1e3
-
-        for i in range(100):  # warm-up (distinct texts: the cache never answers)
-            call(f"warm-up text number {i}")
-        before, cpu_before = scrape(stack.metrics), cpu_seconds(stack.proc.pid)
-        latencies = []
-        for i in range(args.calls):
-            latencies.append(call(f"a short text to embed, number {i}"))
-            time.sleep(args.pause_ms / 1e3)
-        after, cpu_after = scrape(stack.metrics), cpu_seconds(stack.proc.pid)
-    finally:
-        stack.stop()
-    latencies.sort()
+    with running(stack, 600):
+        latencies, (before, after), (cpu_before, cpu_after) = measure(args, stack)
     batching = {
         "inline": "batching inline",
         "hybrid": f"{args.batchers} batcher(s), direct when idle",

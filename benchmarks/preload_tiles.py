@@ -1,15 +1,16 @@
 """PRELOAD_LINEAR's tiles searched in the chain: whole few-token forwards.
 
 A few-token forward on Hopper is one chain of dependent launches
-(engine/cuda/kernels.py), so a GEMM's tiles change how it overlaps the kernels
+(engine/cuda/kernels/), so a GEMM's tiles change how it overlaps the kernels
 around it. Timed alone, the GEMMs rank tiles wrongly; in the chain, what
-counts is the whole forward (notes/gpu.md, sessions 14 and 17: attention-out's
-64-column tiles were found this way). For each shape and projection this
+counts is the whole forward (attention-out's 64-column tiles were found
+this way). For each shape and projection this
 replaces the shipped PRELOAD_LINEAR tile by each of its neighbours (one of
 rows, columns, K chunk, K slices or warps halved or doubled, where the
 kernel can run it: ``neighbours``), captures the forward in a CUDA graph per
 variant and replays every graph in turn from an idle GPU
-(engine.cuda.forward.time_in_turn, 25 rounds a line, ``--lines`` lines). It prints,
+(engine.cuda.timing.time_in_turn, 25 rounds a line, ``--lines`` lines). It
+prints,
 per shape, the microseconds of each variant and its ratio against the
 shipped tiles (>1: faster), best first, and writes them to ``--out``.
 
@@ -37,8 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.engine import write_checkpoint  # noqa: E402
 from engine.cuda import kernels  # noqa: E402
-from engine.cuda.forward import FusedForward, captured, time_in_turn  # noqa: E402
-from engine.cuda.kernels import PRELOAD_LINEAR, LinearConfig  # noqa: E402
+from engine.cuda.forward import FusedForward  # noqa: E402
+from engine.cuda.tiles import PRELOAD_LINEAR, LinearConfig  # noqa: E402
+from engine.cuda.timing import captured, time_in_turn  # noqa: E402
 
 SHAPES = {
     "bert-base": [(1, 16), (1, 32), (1, 64), (8, 16), (1, 128)],

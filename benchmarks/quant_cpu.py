@@ -32,6 +32,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -39,8 +40,8 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from engine import quant  # noqa: E402
 from engine.build import calibration  # noqa: E402
+from engine.build.quantize import quantize_for_entry  # noqa: E402
 from engine.torch_backend import TorchBackend  # noqa: E402
 from services.repository import ModelEntry, load_repository  # noqa: E402
 
@@ -62,7 +63,7 @@ def find_repository(arg: Path | None) -> Path:
     for path in (arg, ROOT / "model_repository"):
         if path and (path / "intent" / "berth.json").is_file():
             return path
-    from services.default_models import build_default_repository
+    from services.cli.default_models import build_default_repository
 
     root = Path(tempfile.mkdtemp(prefix="berth-models-"))
     build_default_repository(root)
@@ -92,7 +93,7 @@ def torch_runner(entry: ModelEntry, quantize: str) -> Run:
     backend.load(entry)
     if quantize != "none":
         spec = with_quantize(entry, quantize)
-        quant.quantize_for_entry(backend.model(entry.name), spec, torch.device("cpu"))
+        quantize_for_entry(backend.model(entry.name), spec, torch.device("cpu"))
     return lambda ids, lengths: backend.run(entry.name, ids, lengths)
 
 
@@ -109,16 +110,12 @@ def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a * b).sum(axis=1) / np.maximum(norms, 1e-12)
 
 
-def main() -> None:
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    args = parse_args()
-    entries = load_repository(find_repository(args.model_repository))
-    texts, kinds = calibration.evaluation_texts(), calibration.evaluation_kinds()
-    texts, kinds = (
-        (texts[: args.texts], kinds[: args.texts]) if args.texts else (texts, kinds)
-    )
-    cache = Path(tempfile.mkdtemp(prefix="berth-cache-"))
-    variants: list[tuple[str, Callable[[ModelEntry], Run]]] = [
+Variant = tuple[str, Callable[[ModelEntry], Run]]
+
+
+def make_variants(cache: Path) -> list[Variant]:
+    """torch fp32 and int8, then onnxruntime's where it is installed."""
+    variants: list[Variant] = [
         ("torch fp32", lambda e: torch_runner(e, "none")),
         ("torch int8", lambda e: torch_runner(e, "int8")),
     ]
@@ -131,29 +128,46 @@ def main() -> None:
         ]
     except ImportError:
         log.warning("onnxruntime is not installed: its rows are skipped")
-    batches = {
-        name: calibration.text_batches(
-            entries[name].tokenizer_file, texts, entries[name].buckets, 64
-        )
-        for name in ("intent", "minilm")
-    }
-    # Speed: passes interleaved across variants, best of --repeats each, so
-    # load from other processes on the machine weighs on all of them alike.
-    runners = {name: make(entries["intent"]) for name, make in variants}
+    return variants
+
+
+def intent_speed(
+    variants: list[Variant],
+    entry: ModelEntry,
+    batches: list[calibration.TokenBatch],
+    repeats: int,
+) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+    """(intent probabilities, best sequences/s) of each variant on ``entry``.
+
+    Passes interleaved across variants, best of ``repeats`` each, so load
+    from other processes on the machine weighs on all of them alike."""
+    runners = {name: make(entry) for name, make in variants}
     probs: dict[str, np.ndarray] = {}
     speed = dict.fromkeys(runners, 0.0)
     for run in runners.values():
-        run(batches["intent"][0].ids, batches["intent"][0].lengths)  # warm-up
-    for _ in range(args.repeats):
+        run(batches[0].ids, batches[0].lengths)  # warm-up
+    for _ in range(repeats):
         for name, run in runners.items():
-            probs[name], rate = one_pass(run, batches["intent"])
+            probs[name], rate = one_pass(run, batches)
             speed[name] = max(speed[name], rate)
-    del runners
+    return probs, speed
+
+
+def variant_rows(
+    variants: list[Variant],
+    entry: ModelEntry,
+    batches: list[calibration.TokenBatch],
+    probs: dict[str, np.ndarray],
+    speed: dict[str, float],
+    kinds: list[str],
+) -> dict[str, dict[str, float]]:
+    """Each variant's speed, intent agreement and minilm (``entry``) cosine
+    against torch fp32."""
     rows: dict[str, dict[str, float]] = {}
     reference = probs["torch fp32"]
     ref_emb: np.ndarray | None = None
     for name, make in variants:
-        emb, _ = one_pass(make(entries["minilm"]), batches["minilm"])
+        emb, _ = one_pass(make(entry), batches)
         ref_emb = emb if ref_emb is None else ref_emb
         cos = cosines(emb, ref_emb)
         rows[name] = {
@@ -163,11 +177,15 @@ def main() -> None:
             "min_cosine": round(float(cos.min()), 6),
         }
         print(f"measured {name}: {rows[name]}", file=sys.stderr, flush=True)
+    return rows
+
+
+def print_table(rows: dict[str, dict[str, float]], texts: int) -> None:
     base = rows["torch fp32"]["seq_per_s"]
     print(
         f"\nCPU: {platform.processor() or platform.machine()}, "
         f"{torch.get_num_threads()} threads, torch {torch.__version__}; "
-        f"{len(texts)} held-out texts, batches of 64 per bucket"
+        f"{texts} held-out texts, batches of 64 per bucket"
     )
     print(
         f"{'variant':<18}{'seq/s':>9}{'speedup':>9}{'intent agree':>14}"
@@ -180,10 +198,15 @@ def main() -> None:
             f"{row['intent_agreement_utterances'] or float('nan'):>12.4f}"
             f"{row['mean_cosine']:>10.5f}"
         )
+
+
+def summary(rows: dict[str, dict[str, float]], texts: int) -> dict[str, Any]:
+    """The JSON object: every variant, and torch int8 against torch fp32."""
+    base = rows["torch fp32"]["seq_per_s"]
     int8 = rows["torch int8"]
-    result = {
+    return {
         "date": datetime.date.today().isoformat(),
-        "texts": len(texts),
+        "texts": texts,
         "threads": torch.get_num_threads(),
         "variants": rows,
         "cpu_int8_min_cosine": int8["min_cosine"],
@@ -192,6 +215,32 @@ def main() -> None:
         "cpu_intent_agreement": int8["intent_agreement"],
         "cpu_intent_agreement_utterances": int8["intent_agreement_utterances"],
     }
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    args = parse_args()
+    entries = load_repository(find_repository(args.model_repository))
+    texts, kinds = calibration.evaluation_texts(), calibration.evaluation_kinds()
+    texts, kinds = (
+        (texts[: args.texts], kinds[: args.texts]) if args.texts else (texts, kinds)
+    )
+    cache = Path(tempfile.mkdtemp(prefix="berth-cache-"))
+    variants = make_variants(cache)
+    batches = {
+        name: calibration.text_batches(
+            entries[name].tokenizer_file, texts, entries[name].buckets, 64
+        )
+        for name in ("intent", "minilm")
+    }
+    probs, speed = intent_speed(
+        variants, entries["intent"], batches["intent"], args.repeats
+    )
+    rows = variant_rows(
+        variants, entries["minilm"], batches["minilm"], probs, speed, kinds
+    )
+    print_table(rows, len(texts))
+    result = summary(rows, len(texts))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result))

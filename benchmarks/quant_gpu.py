@@ -49,8 +49,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from benchmarks.quant_gpu_report import print_table, summarize  # noqa: E402
 from engine import quant  # noqa: E402
-from engine.build import calibration  # noqa: E402
+from engine.build import calibration, quantize  # noqa: E402
 from engine.cuda.forward import FusedForward  # noqa: E402
 from engine.cuda.graphs import capturing  # noqa: E402
 from engine.encoder import Encoder, EncoderConfig  # noqa: E402
@@ -110,7 +111,7 @@ def find_repository(arg: Path | None) -> Path:
                 return path
             except (ValueError, OSError) as exc:
                 log.warning("model repository %s unusable: %s", path, exc)
-    from services.default_models import build_default_repository
+    from services.cli.default_models import build_default_repository
 
     root = Path(tempfile.mkdtemp(prefix="berth-models-"))
     build_default_repository(root)
@@ -155,12 +156,12 @@ def variant_model(
     if variant == "bf16":
         return load_served_model(entry, device, torch.bfloat16)
     model = load_served_model(entry, device, torch.float32)
-    quant.quantize_fp8(model, calib, **FP8_ACCURACY_VARIANTS[variant])
+    quantize.quantize_fp8(model, calib, **FP8_ACCURACY_VARIANTS[variant])
     return model
 
 
 # Accuracy variants of FP8: which scales, which projections stay fp16, how
-# the weights are rounded. "fp8" is what is served (quant.quantize_fp8's
+# the weights are rounded. "fp8" is what is served (quantize.quantize_fp8's
 # defaults: GPTQ, all four projections in FP8).
 OUT_FP16 = frozenset({"out"})
 FP8_ACCURACY_VARIANTS: dict[str, dict[str, Any]] = {
@@ -282,25 +283,20 @@ def fused_forward(model: nn.Module, **options: Any) -> Forward:
     return FusedForward(cast(ServedModel, model), **options)
 
 
-def speed(
-    args: argparse.Namespace,
-    device: torch.device,
-    result: dict[str, Any],
-    save: Callable[[], None],
-    deadline: float,
-) -> None:
-    b, n = args.batch, args.length
-    base = bert_base(device)
-    calib_gen = torch.Generator(device="cpu").manual_seed(2)
-    calib_ids = torch.randint(1000, 29000, (32, n), generator=calib_gen)
-    calib = [(calib_ids.to(device, torch.int32), torch.full((32,), n, device=device))]
+SpeedVariant = tuple[str, Callable[[], Forward | None]]
+
+
+def speed_variants(
+    base: ServedModel, calib: list[Any], no_compile: bool
+) -> list[SpeedVariant]:
+    """The speed table's variants of ``base``, each built when it is timed."""
 
     def fp16() -> ServedModel:
         return copy.deepcopy(base).half()
 
     def fp8(**options: Any) -> ServedModel:
         model = copy.deepcopy(base)
-        quant.quantize_fp8(model, calib, **options)
+        quantize.quantize_fp8(model, calib, **options)
         return model
 
     def compiled(make: Callable[[], ServedModel]) -> Callable[[], ServedModel]:
@@ -312,7 +308,7 @@ def speed(
         return build
 
     # Most telling first, so a cut-short run still has a baseline and FP8.
-    variants: list[tuple[str, Callable[[], Forward | None]]] = [
+    variants: list[SpeedVariant] = [
         ("fp16 engine (fused kernels)", lambda: fused_forward(fp16())),
         ("fp8 engine (fused kernels)", lambda: fused_forward(fp8())),
         (
@@ -327,15 +323,40 @@ def speed(
         ("fp8 row-wise + fused kernels", lambda: fused_forward(fp8(rowwise=True))),
         ("fp8 eager", fp8),
     ]
-    if not args.no_compile:
+    if not no_compile:
         variants.append(
             ("fp8 row-wise compiled layers", compiled(lambda: fp8(rowwise=True)))
         )
         per_token = compiled(lambda: fp8(rowwise=True, dynamic=True))
         variants.append(("fp8 per-token compiled layers", per_token))
     variants.append(("fp16 eager", fp16))
-    if not args.no_compile:
+    if not no_compile:
         variants.append(("fp16 compiled layers", compiled(fp16)))
+    return variants
+
+
+def cosines_vs_fp16(table: dict[str, Any], outputs: dict[str, torch.Tensor]) -> None:
+    """Sanity on the random model: each variant's min row cosine to fp16's."""
+    reference = outputs.get("fp16 engine (fused kernels)", outputs.get("fp16 eager"))
+    if reference is not None:
+        for name, out in outputs.items():
+            cos = cosines(out.cpu().numpy(), reference.cpu().numpy())
+            table[name]["min_cosine_vs_fp16"] = round(float(cos.min()), 5)
+
+
+def speed(
+    args: argparse.Namespace,
+    device: torch.device,
+    result: dict[str, Any],
+    save: Callable[[], None],
+    deadline: float,
+) -> None:
+    b, n = args.batch, args.length
+    base = bert_base(device)
+    calib_gen = torch.Generator(device="cpu").manual_seed(2)
+    calib_ids = torch.randint(1000, 29000, (32, n), generator=calib_gen)
+    calib = [(calib_ids.to(device, torch.int32), torch.full((32,), n, device=device))]
+    variants = speed_variants(base, calib, args.no_compile)
     table: dict[str, Any] = {}
     result["speed"] = table
     outputs: dict[str, torch.Tensor] = {}
@@ -359,90 +380,7 @@ def speed(
         log.info("speed %s: %s", name, table[name])
         torch.cuda.empty_cache()
         save()
-    # Sanity on the random model: each variant's min row cosine to fp16's.
-    reference = outputs.get("fp16 engine (fused kernels)", outputs.get("fp16 eager"))
-    if reference is not None:
-        for name, out in outputs.items():
-            cos = cosines(out.cpu().numpy(), reference.cpu().numpy())
-            table[name]["min_cosine_vs_fp16"] = round(float(cos.min()), 5)
-
-
-# The FP8 variant the engine serves (``quantize: fp8``), whose accuracy row is "fp8".
-SERVED_FP8 = "fp8 engine (fused kernels)"
-
-
-def summarize(result: dict[str, Any]) -> None:
-    """The top-level fields: the served FP8 variant against the fp16 engine
-    (and the fastest FP8 variant of the table, where another was faster)."""
-    table = result.get("speed", {})
-    rate = {k: v["seq_per_s"] for k, v in table.items() if "seq_per_s" in v}
-    baseline = next(
-        (k for k in ("fp16 engine (fused kernels)", "fp16 eager") if k in rate), None
-    )
-    fp8 = [k for k in rate if k.startswith("fp8")]
-    acc = result.get("accuracy", {}).get("fp8", {})
-    result.update(
-        {
-            "mean_cosine": acc.get("mean_cosine"),
-            "min_cosine": acc.get("min_cosine"),
-            "intent_agreement": acc.get("intent_agreement"),
-            "intent_agreement_utterances": acc.get("intent_agreement_utterances"),
-        }
-    )
-    if baseline and fp8:
-        fastest = max(fp8, key=lambda k: rate[k])
-        headline = SERVED_FP8 if SERVED_FP8 in rate else fastest
-        result["variant"] = f"{headline} (e4m3, {result.get('fp8_scales')})"
-        result["baseline"] = baseline
-        result["speedup_b128_n128"] = round(rate[headline] / rate[baseline], 3)
-        result["fastest_fp8"] = {
-            "variant": fastest,
-            "speedup_b128_n128": round(rate[fastest] / rate[baseline], 3),
-        }
-        for other in ("fp16 eager", "fp16 compiled layers"):
-            if other in rate:
-                key = "speedup_vs_" + other.replace(" ", "_")
-                result[key] = round(rate[headline] / rate[other], 3)
-
-
-def print_table(result: dict[str, Any]) -> None:
-    print(f"\n{result['device']}  torch {result['torch']}  {result['date']}")
-    print(
-        f"\naccuracy vs fp32 on {result.get('accuracy_texts')} texts "
-        f"({result.get('accuracy_utterances')} of them utterances)"
-    )
-    print(
-        f"{'variant':<20}{'mean cos':>10}{'min cos':>10}{'intent agree':>14}"
-        f"{'utterances':>12}"
-    )
-    for name, row in result.get("accuracy", {}).items():
-        if "error" in row:
-            print(f"{name:<20}  error: {row['error']}")
-            continue
-        print(
-            f"{name:<20}{row['mean_cosine']:>10.5f}{row['min_cosine']:>10.5f}"
-            f"{row['intent_agreement']:>14.4f}"
-            f"{row['intent_agreement_utterances'] or float('nan'):>12.4f}"
-        )
-    print(
-        f"\nspeed, BERT-base {BERT_BASE.num_layers}x{BERT_BASE.hidden_size}, b128 n128"
-    )
-    print(f"{'variant':<30}{'seq/s':>10}{'ms/batch':>10}{'x fp16':>8}{'setup s':>9}")
-    speed = result.get("speed", {})
-    base = speed.get(result.get("baseline") or "", {}).get("seq_per_s")
-    for name, row in speed.items():
-        if "seq_per_s" in row:
-            ratio = f"{row['seq_per_s'] / base:>8.3f}" if base else f"{'':>8}"
-            print(
-                f"{name:<30}{row['seq_per_s']:>10.0f}{row['ms_per_batch']:>10.3f}"
-                f"{ratio}{row['setup_s']:>9.1f}"
-            )
-        else:
-            print(f"{name:<30}  {row.get('error') or row.get('skipped')}")
-    print()
-    keys = ["variant", "baseline", "speedup_b128_n128", "mean_cosine"]
-    keys += ["min_cosine", "intent_agreement", "intent_agreement_utterances"]
-    print(json.dumps({k: result.get(k) for k in keys}))
+    cosines_vs_fp16(table, outputs)
 
 
 def main() -> None:
@@ -467,7 +405,7 @@ def main() -> None:
         "torch": torch.__version__,
         "fp8_scales": "one per weight (tensor-wise), static input scales",
         "fp8_weights": "e4m3 codes rounded by GPTQ on the calibration texts",
-        "fp8_kept_fp16": sorted(quant.FP8_KEEP),
+        "fp8_kept_fp16": sorted(quantize.FP8_KEEP),
         "reference": "float32 on the GPU (TF32 off) from the same stored weights",
     }
 
@@ -485,7 +423,7 @@ def main() -> None:
     quant.use_compiled_quantize()
     speed(args, device, result, save, deadline)
     save()
-    print_table(result)
+    print_table(result, BERT_BASE)
     log.info("wrote %s", path)
 
 

@@ -1,22 +1,22 @@
 """Small batches on a GPU: dependent launches against classic ones.
 
 At batch 1 a BERT-base forward is ~90 short kernels (2.5-5 us each inside a
-CUDA graph), so launch and ramp-up, not math, set its time (notes/gpu.md).
+CUDA graph), so launch and ramp-up, not math, set its time.
 Hopper can launch a kernel while its predecessor still runs (programmatic
-dependent launch, engine/cuda/kernels.py). This times, in one process, three
+dependent launch, engine/cuda/kernels/). This times, in one process, three
 CudaBackends on the same random-weight models and inputs:
 
 - classic: every kernel launched the classic way (``pdl=False``), the
   baseline;
 - pdl: berth's Triton kernels launched dependent in forwards of up to
-  engine.cuda.forward.PDL_MAX_TOKENS tokens, with engine/kernels.SMALL_LINEAR's
+  engine.cuda.forward.PDL_MAX_TOKENS tokens, with the small_linear tiles'
   GEMMs (cuBLAS's launch the classic way: a chain breaks at them);
 - preload: the default on Hopper: pdl, and each shape of up to 128 tokens
-  timed at capture with PRELOAD_LINEAR's GEMMs too (every GEMM berth's,
+  timed at capture with the preload_linear tiles' GEMMs too (every GEMM berth's,
   its weights read before it waits: one unbroken chain), the faster kept
   (``preloaded`` in the JSON says which);
 - pdl-all: the default (preload) with dependent launches at every token
-  count (what set that limit; before session 14 it had no preloading).
+  count (what PDL_MAX_TOKENS rests on).
 
 Attention is berth's Triton kernel in every variant (BERTH_ATTENTION=triton;
 the per-shape choice by timing at capture can differ between backends and
@@ -34,9 +34,9 @@ its output from classic's.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -50,6 +50,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.engine import inputs, time_calls, write_checkpoint  # noqa: E402
+from engine import settings as engine_settings  # noqa: E402
 from engine.cuda.backend import CudaBackend  # noqa: E402
 
 VARIANTS = ("classic", "pdl", "preload", "pdl-all")
@@ -128,7 +129,9 @@ def main() -> None:
     parser.add_argument("--models", default="bert-base,minilm")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    os.environ["BERTH_ATTENTION"] = "triton"
+    engine_settings.use(
+        dataclasses.replace(engine_settings.current(), attention="triton")
+    )
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_properties(0).name,
         "date": datetime.date.today().isoformat(),

@@ -16,7 +16,7 @@ times are the GPU's, not Python's launch cost):
 - ratio = cublas / triton (above 1: Triton faster), and the tiles that won.
 
 Then attention at small shapes for several query-block sizes, and the best
-tiles per (projection, M) as a table for ``engine/cuda/kernels.py``.
+tiles per (projection, M) as a table for engine/cuda/tuning/.
 
     python benchmarks/small_gemm.py --out small_gemm_h200.json
     python benchmarks/small_gemm.py --cold --block-k 64,128,256 --tokens 16,128
@@ -46,15 +46,15 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.cuda import kernels  # noqa: E402
-from engine.cuda.forward import replay_ms  # noqa: E402
 from engine.cuda.graphs import capturing  # noqa: E402
 from engine.cuda.kernels import (  # noqa: E402
     ACT_GELU_TANH,
     ACT_NONE,
-    LinearConfig,
     add_layer_norm,
     add_layer_norm_partials,
 )
+from engine.cuda.tiles import LinearConfig  # noqa: E402
+from engine.cuda.timing import replay_ms  # noqa: E402
 
 DIMS = {"bert-base": (768, 3072, 12), "minilm": (384, 1536, 12)}
 TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048)

@@ -1,9 +1,9 @@
 """What a zero-copy batch's graph costs beyond its forward, per plan.
 
 At 128 tokens on the H200 the two few-token plans' bare forwards tie, while
-in the engine's zero-copy graph the SMALL_LINEAR plan took 19-26 us more
-than its forward and the PRELOAD_LINEAR plan 6-13 (notes/gpu.md, session
-15). This bisects the difference. For BERT-base (random weights) at a few
+in the engine's zero-copy graph the small_linear plan takes 19-26 us more
+than its forward and the preload_linear plan 6-13 (engine/cuda/tiles.py
+names both). This bisects the difference. For BERT-base (random weights) at a few
 small shapes and both plans, one CUDA graph each of:
 
 - forward: FusedForward on device int64 ids and lengths, device output;
@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.engine import write_checkpoint  # noqa: E402
 from engine.cuda.backend import MAX_ROWS, CudaBackend, ModelRunner  # noqa: E402
-from engine.cuda.forward import captured, time_in_turn  # noqa: E402
+from engine.cuda.timing import captured, time_in_turn  # noqa: E402
 
 SHAPES = [(1, 128), (8, 16), (1, 64), (1, 16)]
 VARIANTS = ("forward", "step, device input", "step, mapped input", "step, zero-copy")

@@ -6,24 +6,24 @@ import argparse
 import asyncio
 import signal
 
+from engine import settings as engine_settings
 from engine.backend import Backend
 from engine.backends_by_model import ModelRouter, create_model_router
 from engine.cuda.graphs import bucket_shapes
 from engine.service import EngineService
-from services.config import DEFAULT_ENGINE_PORT, add_flag, repository_flag
-from services.logs import setup_logging
+from services.config import DEFAULT_ENGINE_PORT, add_flag
 from services.loop import freeze_startup_heap, run
-from services.metrics import serve_metrics
+from services.process import service_parser, start_service
 from services.proto.berth.v1 import internal_pb2, internal_pb2_grpc
 from services.repository import ModelEntry, RepositoryError, load_repository
 from services.server import ServiceServer
-from services.telemetry import setup_tracing, shutdown_tracing
+from services.telemetry import shutdown_tracing
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__)
-    add_flag(parser, "host", "127.0.0.1", "address to listen on")
-    add_flag(parser, "port", DEFAULT_ENGINE_PORT, "port to listen on")
+def build_parser() -> argparse.ArgumentParser:
+    parser = service_parser(
+        "engine", __doc__, port=DEFAULT_ENGINE_PORT, metrics_port=9466
+    )
     add_flag(parser, "backend", "torch", "inference backend")
     add_flag(parser, "device", "auto", "cpu, cuda, cuda:N or auto")
     add_flag(parser, "models", "", "comma-separated models to serve (default: all)")
@@ -31,19 +31,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # shapes that can arrive, so the engine captures a CUDA graph for each.
     add_flag(parser, "max-batch", 256, "the batcher's max rows per batch")
     add_flag(parser, "token-budget", 16384, "the batcher's max padded tokens per batch")
-    add_flag(
-        parser, "drain-timeout-s", 30.0, "on SIGTERM, how long in-flight work may take"
-    )
-    add_flag(parser, "metrics-port", 9466, "Prometheus /metrics port (0: off)")
     add_flag(parser, "chaos", False, "fault injection: SIGUSR1 toggles failing batches")
-    repository_flag(parser)
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 async def main(args: argparse.Namespace) -> None:
-    log = setup_logging("engine")
-    setup_tracing("engine")
-    serve_metrics("engine", args.host, args.metrics_port)
+    log = start_service("engine", args)
+    log.info("engine settings: %s", engine_settings.current().describe())
     repository = load_repository(args.model_repository)
     wanted = [m for m in args.models.split(",") if m] or list(repository)
     unknown = [m for m in wanted if m not in repository]
@@ -121,4 +119,9 @@ def warmup_shapes(
 
 
 if __name__ == "__main__":
-    run(main(parse_args()))
+    arguments = parse_args()
+    try:
+        engine_settings.load()  # every BERTH_* setting, read once
+    except engine_settings.SettingsError as exc:
+        raise SystemExit(f"python -m engine: {exc}") from None
+    run(main(arguments))

@@ -12,20 +12,19 @@ import os
 import numpy as np
 import torch
 
+from engine import settings as engine_settings
 from engine.backend import loaded, warm_up_eagerly
 from engine.model import ServedModel, load_served_model
 from services.repository import ModelEntry
 
 log = logging.getLogger("berth.engine")
 
-THREADS_ENV = "BERTH_TORCH_THREADS"
-
 
 def default_threads() -> int:
-    """CPUs this process may run on (container-aware), or $BERTH_TORCH_THREADS."""
-    configured = os.environ.get(THREADS_ENV)
+    """CPUs this process may run on (container-aware), or BERTH_TORCH_THREADS."""
+    configured = engine_settings.current().torch_threads
     if configured:
-        return max(1, int(configured))
+        return configured
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not on Linux
@@ -77,7 +76,7 @@ class TorchBackend:
         )
         model = load_served_model(entry, self.torch_device, self.dtype)
         if entry.quantize != "none":
-            from engine.quant import quantize_for_entry
+            from engine.build.quantize import quantize_for_entry
 
             log.info("quantizing %s to %s (calibrating)", entry.name, entry.quantize)
             quantize_for_entry(model, entry, self.torch_device)

@@ -1,1 +1,1 @@
-"""berth's public front door: the berth.v1 API over gRPC."""
+"""berth's public front door: the berth.v1 and KServe v2 APIs over gRPC."""

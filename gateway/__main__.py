@@ -6,39 +6,39 @@ import argparse
 import asyncio
 import logging
 
-from batcher.options import add_scheduler_flags, scheduler_config
+from batcher import add_scheduler_flags, scheduler_config
 from gateway.batcher_client import BatcherClient, Batching
+from gateway.berth import Berth
 from gateway.cache import ResponseCache
 from gateway.inline import DirectWhenIdle, InlineBatcher
 from gateway.kserve import SERVICE_NAME as KSERVE_SERVICE
 from gateway.kserve import KServeService
-from gateway.service import BerthService, Gateway
+from gateway.pipeline import Gateway
+from gateway.service import BerthService
 from gateway.tokenize import Limits
 from services.config import (
     DEFAULT_BATCHER_PORT,
     DEFAULT_GATEWAY_PORT,
     add_flag,
     gpu_buckets_flag,
-    repository_flag,
 )
 from services.errors import BerthError, Unavailable
-from services.logs import setup_logging
 from services.loop import freeze_startup_heap, run
-from services.metrics import serve_metrics
+from services.process import service_parser, start_service
 from services.proto.berth.v1 import berth_pb2
 from services.repository import load_repository
 from services.server import LAME_DUCK_S, ServiceServer
-from services.telemetry import setup_tracing, shutdown_tracing
+from services.telemetry import shutdown_tracing
 
 log = logging.getLogger("berth.gateway")
 
 PROBE_TEXT = "berth readiness probe"
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m gateway", description=__doc__)
-    add_flag(parser, "host", "127.0.0.1", "address to listen on")
-    add_flag(parser, "port", DEFAULT_GATEWAY_PORT, "port to listen on")
+def build_parser() -> argparse.ArgumentParser:
+    parser = service_parser(
+        "gateway", __doc__, port=DEFAULT_GATEWAY_PORT, metrics_port=9464
+    )
     add_flag(
         parser,
         "own-port",
@@ -68,7 +68,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_flag(parser, "max-texts", 256, "most texts in one call")
     add_flag(parser, "max-in-flight", 1024, "requests in flight before shedding")
     add_flag(parser, "max-message-mb", 16, "largest request message accepted")
-    add_flag(parser, "metrics-port", 9464, "Prometheus /metrics port (0: off)")
     add_flag(parser, "cache-entries", 65536, "response cache entries per model; 0: off")
     add_flag(parser, "cache-mb", 128, "response cache MiB per model; 0: off")
     add_flag(
@@ -82,9 +81,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "served, a failing fleet falls back at once",
     )
     add_flag(
-        parser, "drain-timeout-s", 30.0, "on SIGTERM, how long in-flight work may take"
-    )
-    add_flag(
         parser,
         "lame-duck-s",
         LAME_DUCK_S,
@@ -92,9 +88,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "calls gRPC already received but had not handed over yet are "
         "answered, not CANCELLED, and health-checking clients move away",
     )
-    repository_flag(parser)
     gpu_buckets_flag(parser)
     add_scheduler_flags(parser)  # used when batching inline (--engines)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.direct_when_idle and not args.engines:
         parser.error(
@@ -116,14 +116,15 @@ async def probe(gateway: Gateway) -> None:
     A degraded answer (from the CPU fallback) does not count: at start-up the
     gateway waits for the real engines.
     """
+    berth = Berth(gateway)
     for name, model in gateway.models.items():
         response: berth_pb2.EmbedResponse | berth_pb2.ClassifyResponse
         if model.entry.task == "embed":
-            response = await gateway.embed(
+            response = await berth.embed(
                 berth_pb2.EmbedRequest(model=name, texts=[PROBE_TEXT]), timeout_s=30
             )
         else:
-            response = await gateway.classify(
+            response = await berth.classify(
                 berth_pb2.ClassifyRequest(model=name, texts=[PROBE_TEXT]), timeout_s=30
             )
         if response.degraded:
@@ -174,9 +175,7 @@ async def refresh_circuits(gateway: Gateway) -> bool:
 
 
 async def main(args: argparse.Namespace) -> None:
-    setup_logging("gateway")
-    setup_tracing("gateway")
-    serve_metrics("gateway", args.host, args.metrics_port)
+    start_service("gateway", args)
     repository = load_repository(args.model_repository, gpu=args.gpu_buckets)
     engines = [a for a in args.engines.split(",") if a]
     batcher: Batching

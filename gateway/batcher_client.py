@@ -74,10 +74,42 @@ def raise_first_failure(results: list[internal_pb2.SequenceResult]) -> None:
             raise from_code(result.code, result.message)
 
 
+async def results_of(
+    keys: list[int],
+    futures: list[asyncio.Future[internal_pb2.SequenceResult]],
+    cancel: Callable[[list[int]], None],
+) -> list[internal_pb2.SequenceResult]:
+    """The answers of one request's sequences (a future per key); raises the
+    first failure.
+
+    If the wait ends otherwise (the caller went away, or one sequence
+    failed), the futures are called off and ``cancel`` gets the keys still
+    unanswered, to free them where they wait. (A caller's cancel reaches the
+    futures first: cancelled ones never got their answer either.)"""
+    try:
+        if len(futures) == 1:  # most calls: one future, no gather
+            results = [await futures[0]]
+        else:
+            results = list(await asyncio.gather(*futures))
+    except BaseException:
+        left = [
+            k
+            for k, f in zip(keys, futures, strict=True)
+            if not f.done() or f.cancelled()
+        ]
+        for future in futures:
+            future.cancel()
+        if left:
+            cancel(left)
+        raise
+    raise_first_failure(results)
+    return results
+
+
 class Batching(Protocol):
     """What the gateway needs of its batcher: a remote batcher process
-    (BatcherClient) or the batcher's schedulers in its own process
-    (gateway.inline.InlineBatcher)."""
+    (BatcherClient), the batcher's schedulers in its own process
+    (gateway.inline.InlineBatcher), or both (gateway.inline.DirectWhenIdle)."""
 
     # Set once requests can reach the engines (BatcherClient: while its
     # stream is up; InlineBatcher: once every model has an engine).
@@ -131,29 +163,11 @@ class BatcherClient(
             sequences=[sequences(model, keys, ids, timeout_ms, trace_context)]
         )
         futures = self.send_many(keys, message)
-        try:
-            if len(futures) == 1:  # most calls: one future, no gather
-                results = [await futures[0]]
-            else:
-                results = await asyncio.gather(*futures)
-        except BaseException:
-            # The caller went away or one sequence failed: free the rest.
-            # (A caller's cancel reaches the futures first: cancelled ones
-            # never got their answer either.)
-            left = [
-                k
-                for k, f in zip(keys, futures, strict=True)
-                if not f.done() or f.cancelled()
-            ]
-            for future in futures:
-                future.cancel()
-            if left:
-                self.post(
-                    internal_pb2.GatewayMessage(cancel=internal_pb2.Cancel(ids=left))
-                )
-            raise
-        raise_first_failure(results)
-        return results
+        return await results_of(keys, futures, self._cancel)
+
+    def _cancel(self, keys: list[int]) -> None:
+        """Tell the batcher nobody waits for these sequences any more."""
+        self.post(internal_pb2.GatewayMessage(cancel=internal_pb2.Cancel(ids=keys)))
 
     async def models(self) -> internal_pb2.BatcherModels:
         return await self._stub.Models(internal_pb2.BatcherModelsRequest(), timeout=5)

@@ -21,12 +21,10 @@ import time
 import grpc
 import numpy as np
 
-from batcher.engines import EnginePool
-from batcher.scheduler import ModelScheduler, SchedulerConfig
-from batcher.service import describe
-from gateway.batcher_client import BatcherClient, raise_first_failure, sequences
+from batcher import LocalBatcher, SchedulerConfig
+from gateway.batcher_client import BatcherClient, results_of, sequences
 from gateway.metrics import ROUTES
-from services.errors import DeadlineExceeded, EngineFailure, Unavailable, from_code
+from services.errors import DeadlineExceeded, EngineFailure, Unavailable
 from services.proto.berth.v1 import internal_pb2
 from services.repository import ModelEntry
 
@@ -34,8 +32,8 @@ log = logging.getLogger("berth.gateway")
 
 
 class InlineBatcher:
-    """Per-model schedulers and an engine pool, behind the gateway's
-    batcher interface (gateway.batcher_client.Batching)."""
+    """The batcher's work in this process (batcher.LocalBatcher), behind the
+    gateway's batcher interface (gateway.batcher_client.Batching)."""
 
     def __init__(
         self,
@@ -43,14 +41,10 @@ class InlineBatcher:
         engines: list[str],
         config: SchedulerConfig,
     ) -> None:
-        self.pool = EnginePool(engines)
-        self.schedulers = {
-            name: ModelScheduler(entry, self.pool, config)
-            for name, entry in entries.items()
-        }
+        self.local = LocalBatcher.connect(entries, engines, config)
         self._ids = itertools.count(1)
         self.ready = asyncio.Event()
-        self.pool.subscribe(self._engines_changed)
+        self.local.subscribe(self._engines_changed)
 
     @property
     def connected(self) -> bool:
@@ -61,45 +55,39 @@ class InlineBatcher:
     def _engines_changed(self) -> None:
         """Ready once every model has an engine (the gateway's start-up probe
         waits for it)."""
-        if not self.ready.is_set() and all(
-            self.pool.serving(name) for name in self.schedulers
-        ):
+        if not self.ready.is_set() and self.local.serves_all():
             log.info("every model has an engine: batching in this gateway")
             self.ready.set()
 
     def start(self) -> None:
-        self.pool.start()
-        for scheduler in self.schedulers.values():
-            scheduler.start()
+        self.local.start()
         log.info(
             "batching inline for %s; engines %s",
-            ", ".join(self.schedulers),
-            ", ".join(e.address for e in self.pool.engines),
+            ", ".join(self.local.models),
+            ", ".join(self.local.engines),
         )
 
     async def close(self) -> None:
-        for scheduler in self.schedulers.values():
-            with contextlib.suppress(asyncio.CancelledError):
-                await scheduler.drain()
-        await self.pool.close()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.local.drain()
+        await self.local.close()
 
     async def models(self) -> internal_pb2.BatcherModels:
-        return describe(self.schedulers)
+        return self.local.describe()
 
     def any_engine(self) -> bool:
         """Whether some model has an engine connected."""
-        return any(self.pool.serving(name) for name in self.schedulers)
+        return self.local.serves_any()
 
     def accepts(self, model: str) -> bool:
         """Whether ``model`` has a scheduler here taking work (an engine
         connected, its circuit not open), a slot free or not."""
-        scheduler = self.schedulers.get(model)
-        return scheduler is not None and scheduler.accepting()
+        return self.local.accepts(model)
 
     def can_take(self, model: str) -> bool:
         """Whether a request for ``model`` would be batched at once: it has
         a scheduler taking work, with an engine slot free."""
-        return self.accepts(model) and self.pool.pick(model) is not None
+        return self.local.can_take(model)
 
     async def run(
         self,
@@ -109,12 +97,6 @@ class InlineBatcher:
         trace_context: dict[str, str] | None = None,
     ) -> list[internal_pb2.SequenceResult]:
         """Run every sequence through the model; raises the first failure."""
-        scheduler = self.schedulers.get(model)
-        if scheduler is None:
-            raise from_code(
-                grpc.StatusCode.NOT_FOUND.value[0],
-                f"no scheduler for model {model!r}",
-            )
         keys = [next(self._ids) for _ in ids]
         loop = asyncio.get_running_loop()
         futures = {key: loop.create_future() for key in keys}
@@ -124,24 +106,18 @@ class InlineBatcher:
             if future is not None and not future.done():
                 future.set_result(result)
 
-        queued = scheduler.submit(
+        queued = self.local.submit(
             sequences(model, keys, ids, timeout_ms, trace_context), deliver
         )
-        try:
-            if len(keys) == 1:
-                results = [await futures[keys[0]]]
-            else:
-                results = list(await asyncio.gather(*futures.values()))
-        except BaseException:
-            # The caller went away or one sequence failed: free the rest.
-            for seq_id, key in queued:
-                if not futures[seq_id].done() or futures[seq_id].cancelled():
-                    scheduler.cancel(key)
-            for future in futures.values():
-                future.cancel()
-            raise
-        raise_first_failure(results)
-        return results
+
+        def cancel(left: list[int]) -> None:
+            """Free the sequences nobody waits for any more."""
+            scheduled = dict(queued)
+            for seq_id in left:
+                if (key := scheduled.get(seq_id)) is not None:
+                    self.local.cancel(model, key)
+
+        return await results_of(keys, list(futures.values()), cancel)
 
 
 class DirectWhenIdle:
@@ -225,7 +201,7 @@ class DirectWhenIdle:
                         model,
                         exc,
                     )
-                    timeout_ms = _left(timeout_ms, began, model, exc)
+                    timeout_ms = deadline_left(timeout_ms, began, model, exc)
             try:
                 return await self.batcher.run(model, ids, timeout_ms, trace_context)
             except Unavailable as exc:
@@ -233,7 +209,7 @@ class DirectWhenIdle:
                     raise  # (the batcher's own answer, or no engine either)
                 # The batcher's stream went down with this request on it.
                 ROUTES.labels(model, "direct_batcher_down").inc()
-                timeout_ms = _left(timeout_ms, began, model, exc)
+                timeout_ms = deadline_left(timeout_ms, began, model, exc)
                 return await self.direct.run(model, ids, timeout_ms, trace_context)
         finally:
             self.in_flight -= 1
@@ -251,7 +227,7 @@ class DirectWhenIdle:
             log.info("batcher connected: requests go through it again")
 
 
-def _left(timeout_ms: int, began: float, model: str, exc: Exception) -> int:
+def deadline_left(timeout_ms: int, began: float, model: str, exc: Exception) -> int:
     """What is left of a request's deadline (0: none) for a second try;
     DeadlineExceeded when nothing is."""
     if not timeout_ms:

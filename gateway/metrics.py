@@ -1,5 +1,8 @@
-"""The gateway's Prometheus metrics, and the per-model statistics KServe's
-ModelStatistics reports."""
+"""The gateway's Prometheus metrics and its per-model statistics.
+
+The statistics are what KServe's ModelStatistics reports; calls of every API
+count in them.
+"""
 
 from __future__ import annotations
 
@@ -127,8 +130,8 @@ def count_request(
     total.observe(timings.total_us / 1e6)
 
 
-# Per model, its STAGE_SECONDS children in STAGES order: looked up as one
-# (made at a model's first answered request, as before).
+# Per model, its STAGE_SECONDS children in STAGES order: looked up as one,
+# made at the model's first answered request.
 _STAGES: dict[str, tuple[Histogram, ...]] = {}
 
 

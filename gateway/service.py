@@ -1,503 +1,59 @@
-"""The public berth.v1 service: validate, tokenize, run, shape the answer."""
+"""The public berth.v1 gRPC service: calls in, statuses and answers out."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
-import time
 from collections.abc import AsyncIterator, Awaitable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import TypeVar
 
 import grpc
-import numpy as np
 
-from gateway import metrics
-from gateway.batcher_client import Batching
-from gateway.cache import ResponseCache
-from gateway.tokenize import Limits, TextEncoder
-from services.errors import (
-    BerthError,
-    EngineFailure,
-    InvalidInput,
-    Overloaded,
-    Unavailable,
-    abort,
-    as_berth_error,
-)
-from services.fallback_model import FallbackError, FallbackModel
+from gateway.berth import Berth, Response
+from gateway.calls import AbortOnError, serve_requests, serve_unary
+from gateway.pipeline import Gateway
+from services.errors import BerthError
 from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
-from services.repository import ModelEntry, checkpoint_shape
-from services.streams import serve_stream
-from services.telemetry import (
-    inject,
-    record_error,
-    server_span,
-    span_if_recording,
-    tracer,
-)
 
-log = logging.getLogger("berth.gateway")
-TRACER = tracer("gateway")
 DEGRADED_METADATA = (("x-berth-degraded", "true"),)
-# Calls with at most this many characters are tokenized on the event loop
-# (tens of microseconds); longer ones on the tokenizer threads, so one
-# large call cannot stall every other request.
-INLINE_TOKENIZE_CHARS = 2048
-# Likewise the CPU fallback: a call of at most this many tokens runs on the
-# loop; a larger one (256 texts of ~450 tokens take ~1 s) on those threads.
-INLINE_FALLBACK_TOKENS = 2048
-# A request waiting for the engines at start-up stops this long before its
-# deadline, so the fallback can still answer it in time; it tries again
-# every STARTUP_RETRY_S while the batcher has no engine for it.
-FALLBACK_RESERVE_S = 0.2
-STARTUP_RETRY_S = 0.05
-# The internal hops carry a deadline as uint32 milliseconds (~50 days); a
-# caller's longer one is as good as none and goes out as this.
-MAX_TIMEOUT_MS = 2**32 - 1
-
-Response = TypeVar("Response", berth_pb2.EmbedResponse, berth_pb2.ClassifyResponse)
 
 
-@dataclass
-class Answer:
-    """One call's outputs [N, width], token counts, and whether degraded."""
-
-    outputs: np.ndarray
-    tokens: list[int]
-    degraded: bool
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
+def _inner(
+    request: berth_pb2.StreamRequest,
+) -> berth_pb2.EmbedRequest | berth_pb2.ClassifyRequest:
+    """The call a Stream request carries."""
+    if request.WhichOneof("request") == "embed":
+        return request.embed
+    return request.classify
 
 
-# EmbedResponse.embeddings is field 2, Embedding.values field 1 (packed
-# float), Embedding.tokens field 2 (varint): tags for length-delimited and
-# varint wire types.
-_EMBEDDINGS_TAG = bytes([2 << 3 | 2])
-_VALUES_TAG = bytes([1 << 3 | 2])
-_TOKENS_TAG = bytes([2 << 3 | 0])
-
-
-def embeddings_wire(vectors: np.ndarray, counts: list[int]) -> bytes:
-    """The ``embeddings`` of an EmbedResponse in protobuf wire format.
-
-    Merged into the response with one parse in C: building an Embedding
-    from a list of Python floats took 16.5 µs per 768-wide vector on the dev
-    machine, this 2.5 µs. Packed repeated floats are little-endian float32
-    back to back."""
-    rows = np.ascontiguousarray(vectors, dtype="<f4")
-    values_len = _varint(rows.shape[1] * 4)
-    parts: list[bytes] = []
-    for row, count in zip(rows, counts, strict=True):
-        body = b"".join(
-            (_VALUES_TAG, values_len, row.tobytes(), _TOKENS_TAG, _varint(count))
+def _stream_error(
+    request: berth_pb2.StreamRequest, error: BerthError
+) -> berth_pb2.StreamResponse:
+    """A Stream request's error, answered in the stream by its request id."""
+    return berth_pb2.StreamResponse(
+        error=berth_pb2.StreamError(
+            request_id=_inner(request).request_id,
+            code=error.code.name,
+            message=str(error),
         )
-        parts += (_EMBEDDINGS_TAG, _varint(len(body)), body)
-    return b"".join(parts)
-
-
-def tokenize_response(model: Model, texts: list[str]) -> berth_pb2.TokenizeResponse:
-    """The answer to a Tokenize call; raises InvalidInput."""
-    return berth_pb2.TokenizeResponse(
-        model=model.entry.name,
-        results=[
-            berth_pb2.TokenizedText(ids=i, tokens=t)
-            for i, t in model.encoder.tokens(texts)
-        ],
     )
-
-
-class Admission:
-    """A bound on requests in flight; past it, refuse at once."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.in_flight = 0
-
-    def __enter__(self) -> None:
-        if self.in_flight >= self.limit:
-            raise Overloaded(
-                f"gateway has {self.in_flight} requests in flight, the limit "
-                f"(--max-in-flight) is {self.limit}; retry later"
-            )
-        self.in_flight += 1
-
-    def __exit__(self, *exc: object) -> None:
-        self.in_flight -= 1
-
-
-class Model:
-    """What the gateway knows of one served model."""
-
-    def __init__(self, entry: ModelEntry, limits: Limits) -> None:
-        self.entry = entry
-        self.encoder = TextEncoder(entry, limits)
-        self.labels = entry.label_names()
-        self.dimension = checkpoint_shape(entry.checkpoint_dir)[1]
-        self.fallback: FallbackModel | None
-        try:
-            self.fallback = FallbackModel.load(entry)
-        except FallbackError as exc:
-            log.warning(
-                "model %s has no CPU fallback (level 3 off): %s", entry.name, exc
-            )
-            self.fallback = None
-
-
-class Gateway:
-    """The request path shared by unary and streaming calls."""
-
-    def __init__(
-        self,
-        entries: dict[str, ModelEntry],
-        batcher: Batching,
-        limits: Limits,
-        max_in_flight: int,
-        cache: ResponseCache | None = None,
-        startup_wait_s: float = 0.0,
-    ) -> None:
-        self.models = {name: Model(e, limits) for name, e in entries.items()}
-        self.batcher = batcher
-        # Until the gateway first is SERVING (every model answered from the
-        # engines: gateway/__main__.py sets started), and at most until this
-        # moment, requests wait for the engines (_hold_while_starting).
-        self.started = False
-        self.startup_until = time.monotonic() + startup_wait_s
-        self._told_waiting = False
-        # Disabled unless given one (gateway flags --cache-entries, --cache-mb).
-        self.cache = cache or ResponseCache(0, 0)
-        self.admission = Admission(max_in_flight)
-        # Models whose circuit the batcher reports open: answered by the
-        # fallback without a round trip (kept fresh by gateway/__main__.py).
-        self.open_circuits: set[str] = set()
-        self._tokenize_pool = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
-
-    def model(self, name: str, task: str | None = None) -> Model:
-        """The model named, for a call of this task (any task: None)."""
-        model = self.models.get(name)
-        if model is None:
-            raise InvalidInput(
-                f"unknown model {name!r}; this gateway serves "
-                f"{', '.join(sorted(self.models))}"
-            )
-        if task is not None and model.entry.task != task:
-            verb = "Embed" if model.entry.task == "embed" else "Classify"
-            raise InvalidInput(
-                f"model {name!r} is a {model.entry.task} model: call {verb}"
-            )
-        return model
-
-    async def _run(
-        self,
-        model: Model,
-        texts: list[str],
-        options: berth_pb2.Options,
-        timeout_s: float | None,
-        timings: berth_pb2.Timings,
-    ) -> Answer:
-        """Tokenize and run texts: outputs [N, width], token counts, degraded.
-
-        Texts found in the response cache skip tokenization and the batcher;
-        a call whose texts all hit never reaches the batcher.
-        """
-        t0 = time.perf_counter()
-        name, truncate = model.entry.name, options.truncate
-        model.encoder.check_count(texts)
-        with span_if_recording(TRACER, "gateway.cache"):
-            found = self.cache.lookup(name, truncate, texts)
-        if self.cache.enabled:
-            hits = sum(f is not None for f in found)
-            metrics.CACHE.labels(name, "hit").inc(hits)
-            metrics.CACHE.labels(name, "miss").inc(len(found) - hits)
-        # Each distinct text missing from the cache runs once.
-        if len(texts) == 1:  # most calls
-            misses = texts if found[0] is None else []
-        else:
-            misses = list(
-                dict.fromkeys(t for t, f in zip(texts, found, strict=True) if f is None)
-            )
-        rows: list[np.ndarray] = []
-        counts: list[int] = []
-        t1 = t0
-        degraded = False
-        if misses:
-            try:
-                with span_if_recording(TRACER, "gateway.tokenize"):
-                    ids = await self._tokenize(model, misses, truncate)
-            except InvalidInput:
-                if len(misses) < len(texts):
-                    # Check the whole call so the error names the caller's index.
-                    await self._tokenize(model, texts, truncate)
-                raise
-            t1 = time.perf_counter()
-            rows, degraded = await self._infer(model, ids, timeout_s, timings)
-            counts = [len(x) for x in ids]
-            if not degraded:  # a fallback's answer is never cached
-                self.cache.insert(name, truncate, misses, rows, counts)
-        if len(misses) < len(texts):  # some cached, or a text twice
-            computed = dict(zip(misses, zip(rows, counts, strict=True), strict=True))
-            answers = [
-                f if f is not None else computed[t]
-                for t, f in zip(texts, found, strict=True)
-            ]
-            rows, counts = [row for row, _ in answers], [n for _, n in answers]
-        # (np.stack of one row costs 1.5 µs on the dev machine, this copy 0.3.)
-        outputs = rows[0][np.newaxis].copy() if len(rows) == 1 else np.stack(rows)
-        timings.tokenize_us = int((t1 - t0) * 1e6)
-        timings.total_us = int((time.perf_counter() - t0) * 1e6)
-        return Answer(outputs, counts, degraded)
-
-    async def _tokenize(
-        self, model: Model, texts: list[str], truncate: bool
-    ) -> list[np.ndarray]:
-        """Token ids per text. A short call is tokenized right here: the
-        tokenizer takes microseconds for it, less than a hop to a thread."""
-        if sum(map(len, texts)) <= INLINE_TOKENIZE_CHARS:
-            return model.encoder.encode(texts, truncate)
-        return await asyncio.get_running_loop().run_in_executor(
-            self._tokenize_pool, model.encoder.encode, texts, truncate
-        )
-
-    async def _infer(
-        self,
-        model: Model,
-        ids: list[np.ndarray],
-        timeout_s: float | None,
-        timings: berth_pb2.Timings,
-    ) -> tuple[list[np.ndarray], bool]:
-        """The engines' outputs, or the CPU fallback's when they cannot answer.
-
-        Level 3: the fallback answers while the model's circuit is open, while
-        the batcher is unreachable, and for a call whose batch failed on the
-        engines (so no request is lost to a failing fleet); but not while the
-        gateway is starting up (``_hold_while_starting``).
-        """
-        name = model.entry.name
-        error: BerthError | None = None
-        while True:
-            if name in self.open_circuits:
-                reason = "circuit_open"
-            elif not self.batcher.connected:
-                reason = "batcher_unreachable"
-            else:
-                ms = (
-                    min(max(1, int(timeout_s * 1000)), MAX_TIMEOUT_MS)
-                    if timeout_s is not None
-                    else 0
-                )
-                try:
-                    with span_if_recording(TRACER, "gateway.infer"):
-                        results = await self.batcher.run(name, ids, ms, inject())
-                except (Unavailable, EngineFailure) as exc:
-                    reason, error = "engine_failure", exc
-                    log.debug("engines cannot answer %s: %s", name, exc)
-                else:
-                    timings.queue_us = max(r.queue_us for r in results)
-                    timings.inference_us = max(r.inference_us for r in results)
-                    outputs = [np.frombuffer(r.output, dtype="<f4") for r in results]
-                    return outputs, False
-            waited = await self._hold_while_starting(timeout_s)
-            if waited is None:
-                break
-            if timeout_s is not None:
-                timeout_s -= waited
-        if model.fallback is None:
-            if error is not None:
-                raise error
-            raise Unavailable(
-                f"model {name!r} cannot answer now ({reason.replace('_', ' ')}) and "
-                "has no CPU fallback (build it with `berth build-models`)"
-            )
-        with span_if_recording(
-            TRACER, "gateway.fallback", attributes={"berth.reason": reason}
-        ):
-            if sum(map(len, ids)) <= INLINE_FALLBACK_TOKENS:
-                fallback = model.fallback.run(ids)
-            else:  # while the fleet fails every call comes here: keep the loop
-                fallback = await asyncio.get_running_loop().run_in_executor(
-                    self._tokenize_pool, model.fallback.run, ids
-                )
-        metrics.FALLBACKS.labels(name, reason).inc(len(ids))
-        return list(fallback), True
-
-    async def _hold_while_starting(self, timeout_s: float | None) -> float | None:
-        """Before the gateway has first been SERVING, how long a request the
-        engines cannot answer yet waited for them (then it tries again); None
-        when it should not wait: the gateway has served, its start-up window
-        (--startup-wait-s from start) is over, or the caller's deadline is
-        near (FALLBACK_RESERVE_S before it, so the fallback still answers).
-
-        While a stack starts, its gateways listen before the batcher has
-        connected and before the engines have loaded (a GPU engine captures
-        its graphs for seconds), and a gateway started next to serving ones
-        gets callers on the shared port (SO_REUSEPORT) at once: answering
-        them from the fallback would degrade answers the engines are about
-        to give. Once the gateway has served, a failing fleet falls back at
-        once."""
-        if self.started:
-            return None
-        bound = self.startup_until - time.monotonic()
-        if timeout_s is not None:
-            bound = min(bound, timeout_s - FALLBACK_RESERVE_S)
-        if bound <= 0:
-            return None
-        if not self._told_waiting:
-            self._told_waiting = True
-            log.info(
-                "start-up: requests wait for the engines, at most %.1f s more "
-                "(--startup-wait-s), instead of the CPU fallback",
-                self.startup_until - time.monotonic(),
-            )
-        t0 = time.monotonic()
-        if not self.batcher.connected and not self.batcher.ready.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.batcher.ready.wait(), bound)
-        else:  # connected, no engine yet: the batcher refuses at once
-            await asyncio.sleep(min(STARTUP_RETRY_S, bound))
-        return time.monotonic() - t0
-
-    async def counted(
-        self, api: str, model: str, texts: int, work: Awaitable[Response]
-    ) -> Response:
-        """Await one request of ``texts`` texts, counting its outcome and
-        stage times, and in its model's statistics (KServe's
-        ModelStatistics: as in Triton, every inference of a model counts,
-        whatever API it came by)."""
-        known = model in self.models
-        label = model if known else "unknown"
-        metrics.TEXTS.labels(label).inc(texts)
-        t0 = time.perf_counter_ns()
-        with metrics.Tally(label, api) as tally:
-            try:
-                response = await work
-            except Exception:
-                if known:
-                    metrics.model_stats(label).failed(time.perf_counter_ns() - t0)
-                raise
-            tally.answered(response.timings, response.degraded)
-        if known:
-            run_ns = response.timings.total_us * 1000
-            output_ns = max(0, time.perf_counter_ns() - t0 - run_ns)
-            metrics.model_stats(label).succeeded(
-                texts, response.timings, run_ns, output_ns
-            )
-        return response
-
-    async def embed(
-        self, request: berth_pb2.EmbedRequest, timeout_s: float | None
-    ) -> berth_pb2.EmbedResponse:
-        with self.admission:
-            model = self.model(request.model, "embed")
-            response = berth_pb2.EmbedResponse(
-                model=model.entry.name, request_id=request.request_id
-            )
-            answer = await self._run(
-                model, list(request.texts), request.options, timeout_s, response.timings
-            )
-            vectors, counts = answer.outputs, answer.tokens
-            response.degraded = answer.degraded
-            normalize = (
-                request.options.normalize
-                if request.options.HasField("normalize")
-                else model.entry.normalize
-            )
-            if normalize:
-                norms = np.linalg.norm(vectors, axis=1, keepdims=True)
-                vectors = vectors / np.maximum(norms, 1e-12)
-            response.MergeFromString(embeddings_wire(vectors, counts))
-            return response
-
-    async def classify(
-        self, request: berth_pb2.ClassifyRequest, timeout_s: float | None
-    ) -> berth_pb2.ClassifyResponse:
-        with self.admission:
-            model = self.model(request.model, "classify")
-            top_k = max(1, min(request.top_k or 1, len(model.labels)))
-            response = berth_pb2.ClassifyResponse(
-                model=model.entry.name, request_id=request.request_id
-            )
-            answer = await self._run(
-                model, list(request.texts), request.options, timeout_s, response.timings
-            )
-            probs, counts = answer.outputs, answer.tokens
-            response.degraded = answer.degraded
-            best = np.argsort(-probs, axis=1, kind="stable")[:, :top_k]
-            for row, (order, n) in enumerate(zip(best, counts, strict=True)):
-                response.results.append(
-                    berth_pb2.Classification(
-                        labels=[
-                            berth_pb2.LabelScore(
-                                label=model.labels[i], score=float(probs[row, i])
-                            )
-                            for i in order
-                        ],
-                        tokens=n,
-                    )
-                )
-            return response
-
-    async def tokenize(
-        self, request: berth_pb2.TokenizeRequest
-    ) -> berth_pb2.TokenizeResponse:
-        """Ids and tokens per text. A long call is tokenized on the tokenizer
-        threads, as for Embed: ~4 M characters take seconds, and on the event
-        loop they would stall every other request of this gateway."""
-        model = self.model(request.model)
-        texts = list(request.texts)
-        if sum(map(len, texts)) <= INLINE_TOKENIZE_CHARS:
-            return tokenize_response(model, texts)
-        with self.admission:  # bounds the calls queued for the threads
-            return await asyncio.get_running_loop().run_in_executor(
-                self._tokenize_pool, tokenize_response, model, texts
-            )
-
-    def describe(self, name: str) -> berth_pb2.ModelInfoResponse:
-        if name:
-            self.model(name)  # raises, naming the models served
-        return berth_pb2.ModelInfoResponse(
-            models=[
-                berth_pb2.ModelDescription(
-                    name=m.entry.name,
-                    task=m.entry.task,
-                    dimension=m.dimension,
-                    labels=m.labels,
-                    max_tokens=m.entry.max_tokens,
-                    buckets=m.entry.buckets,
-                    backend=m.entry.backend,
-                    default_normalize=m.entry.normalize,
-                )
-                for m in self.models.values()
-                if not name or m.entry.name == name
-            ]
-        )
 
 
 class BerthService(berth_pb2_grpc.BerthServicer):
     """gRPC adapter: maps berth errors onto status codes."""
 
     def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
+        self.berth = Berth(gateway)
 
     async def Embed(
         self, request: berth_pb2.EmbedRequest, context: grpc.aio.ServicerContext
     ) -> berth_pb2.EmbedResponse:
-        work = self.gateway.embed(request, context.time_remaining())
+        work = self.berth.embed(request, context.time_remaining())
         texts = len(request.texts)
         return await self._unary("Embed", "embed", request.model, texts, work, context)
 
     async def Classify(
         self, request: berth_pb2.ClassifyRequest, context: grpc.aio.ServicerContext
     ) -> berth_pb2.ClassifyResponse:
-        work = self.gateway.classify(request, context.time_remaining())
+        work = self.berth.classify(request, context.time_remaining())
         texts = len(request.texts)
         return await self._unary(
             "Classify", "classify", request.model, texts, work, context
@@ -513,88 +69,44 @@ class BerthService(berth_pb2_grpc.BerthServicer):
         context: grpc.aio.ServicerContext,
     ) -> Response:
         """One traced, counted call; degraded answers say so in the trailer."""
-        with server_span(
-            TRACER,
-            f"berth.v1.Berth/{method}",
-            context.invocation_metadata() or (),
-            {"berth.model": model},
-        ):
-            try:
-                response = await self.gateway.counted(api, model, texts, work)
-            except BerthError as exc:
-                await abort(context, exc)
-                raise  # unreachable: abort raises
-            if response.degraded:
-                context.set_trailing_metadata(DEGRADED_METADATA)
-            return response
+        counted = self.berth.counted(api, model, texts, work)
+        response = await serve_unary(
+            context, f"berth.v1.Berth/{method}", model, counted
+        )
+        if response.degraded:
+            context.set_trailing_metadata(DEGRADED_METADATA)
+        return response
 
     async def Tokenize(
         self, request: berth_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> berth_pb2.TokenizeResponse:
-        try:
-            return await self.gateway.tokenize(request)
-        except BerthError as exc:
-            await abort(context, exc)
-            raise
+        async with AbortOnError(context):
+            return await self.berth.tokenize(request)
 
     async def ModelInfo(
         self, request: berth_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> berth_pb2.ModelInfoResponse:
-        try:
-            return self.gateway.describe(request.model)
-        except BerthError as exc:
-            await abort(context, exc)
-            raise
+        async with AbortOnError(context):
+            return self.berth.describe(request.model)
 
     async def Stream(
         self,
         request_iterator: AsyncIterator[berth_pb2.StreamRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[berth_pb2.StreamResponse]:
-        metadata = context.invocation_metadata() or ()
+        def call(
+            request: berth_pb2.StreamRequest,
+        ) -> Awaitable[berth_pb2.StreamResponse]:
+            return self.berth.stream(request, context.time_remaining())
 
-        async def answer(request: berth_pb2.StreamRequest) -> berth_pb2.StreamResponse:
-            kind = request.WhichOneof("request")
-            inner = request.embed if kind == "embed" else request.classify
-            # A span per request, under the caller's trace (the stream's
-            # metadata), so the hops behind it join that trace.
-            attributes = {"berth.model": inner.model}
-            with server_span(
-                TRACER, "berth.v1.Berth/Stream", metadata, attributes
-            ) as span:
-                try:
-                    texts = len(inner.texts)
-                    if kind == "embed":
-                        e = await self.gateway.counted(
-                            "stream",
-                            inner.model,
-                            texts,
-                            self.gateway.embed(request.embed, context.time_remaining()),
-                        )
-                        return berth_pb2.StreamResponse(embed=e)
-                    if kind == "classify":
-                        c = await self.gateway.counted(
-                            "stream",
-                            inner.model,
-                            texts,
-                            self.gateway.classify(
-                                request.classify, context.time_remaining()
-                            ),
-                        )
-                        return berth_pb2.StreamResponse(classify=c)
-                    raise InvalidInput("StreamRequest holds neither embed nor classify")
-                except Exception as exc:  # answered, and the stream stays open
-                    what = f"Stream request {inner.request_id!r}"
-                    error = as_berth_error(exc, log, what)
-                    if span is not None:  # the error is answered, not raised
-                        record_error(span, error)
-                    return berth_pb2.StreamResponse(
-                        error=berth_pb2.StreamError(
-                            request_id=inner.request_id,
-                            code=error.code.name,
-                            message=str(error),
-                        )
-                    )
-
-        async for response in serve_stream(request_iterator, answer, context):
+        responses = serve_requests(
+            request_iterator,
+            context,
+            "berth.v1.Berth/Stream",
+            call,
+            _stream_error,
+            model_of=lambda request: _inner(request).model,
+            named=lambda request: f"Stream request {_inner(request).request_id!r}",
+        )
+        async for response in responses:
             yield response

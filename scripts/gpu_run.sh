@@ -121,7 +121,7 @@ fi
 
 if [[ " $STAGES " == *" latency "* ]]; then
   # As many gateways as `berth serve` starts beside a GPU (10 on 16 cores).
-  many=$($PY -c "from services.cli import default_gateways; print(default_gateways(1))")
+  many=$($PY -c "from services.cli.topology import default_gateways; print(default_gateways(1))")
   for layout in ${LATENCY_LAYOUTS:-$many:2:hybrid $many:2:service $many:2:inline}; do
     IFS=: read -r -a parts <<< "$layout"  # gateways:batchers:mode
     if ((${#parts[@]} != 3)); then

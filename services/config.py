@@ -18,8 +18,8 @@ DEFAULT_ENGINE_PORT = 50070
 # not answer within 5 s is taken for gone: its stream fails UNAVAILABLE with
 # what was in flight on it, and the client reconnects. A vanished host
 # (powered off, partitioned away) sends no FIN or RST; without pings its
-# streams looked up until TCP gave up, minutes to hours later, and every
-# request on them waited out its deadline.
+# streams would look up until TCP gave up, minutes to hours later, and every
+# request on them would wait out its deadline.
 DEFAULT_KEEPALIVE_TIME_MS = 10_000
 DEFAULT_KEEPALIVE_TIMEOUT_MS = 5_000
 

@@ -97,7 +97,7 @@ def spin(parent: int) -> None:
             return
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--parent",
@@ -106,7 +106,11 @@ def main() -> int:
         "berth serve passes its pid, so a serve that died before the spinner "
         "started is noticed too)",
     )
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     become_idle_class()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     spin(args.parent or os.getppid())

@@ -48,8 +48,7 @@ def run(main: Coroutine[Any, Any, T]) -> T:
 def freeze_startup_heap() -> None:
     """Move every object start-up made (modules, models, protobuf classes)
     out of the garbage collector's reach: a full collection then walks only
-    what requests allocate. A gateway's start-up heap (~41k objects) took
-    5.6 ms to collect, a pause in whichever request was running; after the
-    freeze, ~0."""
+    what requests allocate. A gateway's start-up heap (~41k objects) takes
+    5.6 ms to collect, a pause in whichever request is running; frozen, ~0."""
     gc.collect()
     gc.freeze()

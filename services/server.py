@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 from services.channels import server_options
 from services.config import env
 from services.errors import BerthError, InvalidInput, abort
+from services.sockets import bound, listen_addresses
 
 # A front door's lame duck after turning NOT_SERVING (the gateway's
 # --lame-duck-s; see ServiceServer.run_until_signalled).
@@ -47,8 +48,6 @@ def why_not_listening(address: str, reuse_port: bool) -> str:
     each address it stands for as gRPC binds it: gRPC says no more than that
     the bind failed, and a port in use is not the only cause (a --host that
     does not resolve or is not this machine's, a port below 1024)."""
-    from services.supervisor import bound, listen_addresses
-
     host, _, port = address.rpartition(":")
     try:
         addresses = listen_addresses(host, int(port))
@@ -87,12 +86,12 @@ class ServiceServer:
     """One gRPC server with health, reflection and graceful drain.
 
     gRPC listens with SO_REUSEPORT unless told not to, so a second process
-    started on a port another one serves joined it without an error, and
-    the kernel split the callers between the two. A service binds its port
-    alone unless ``reuse_port`` (default: BERTH_REUSE_PORT, off): `berth
-    serve` turns it on for its children, whose gateways share their port on
-    purpose and which bind next to serve's hold on their ports
-    (services/supervisor.py)."""
+    started on a port another one serves would join it without an error,
+    and the kernel would split the callers between the two. A service binds
+    its port alone unless ``reuse_port`` (default: BERTH_REUSE_PORT, off):
+    `berth serve` turns it on for its children, whose gateways share their
+    port on purpose and which bind next to serve's hold on their ports
+    (services/sockets.py)."""
 
     def __init__(
         self,
@@ -229,9 +228,9 @@ class ServiceServer:
         and answers calls. grpc.aio picks up the calls gRPC core has received
         one at a time, an event-loop turn each; ``server.stop`` answers every
         call still queued in core CANCELLED, grace period or not
-        (grpc/grpc#41785). A burst that reached a busy process just before
-        the signal was lost that way (tests/chaos/test_drain_queue.py); the
-        lame duck lets the loop take the queue in, and clients that watch
+        (grpc/grpc#41785). A burst that reaches a busy process just before
+        the signal would be lost that way (tests/chaos/test_drain_queue.py);
+        the lame duck lets the loop take the queue in, and clients that watch
         health move away. Internal hops whose callers stop first need none.
         """
         loop = asyncio.get_running_loop()

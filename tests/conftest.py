@@ -21,7 +21,7 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     configured = os.environ.get("BERTH_MODEL_REPOSITORY")
     if configured and (Path(configured) / "minilm" / "fallback.safetensors").exists():
         return Path(configured)
-    from services.cli import build_models
+    from services.cli.default_models import build_models
 
     root = tmp_path_factory.mktemp("model_repository")
     build_models(root)

@@ -1,7 +1,7 @@
-"""benchmarks/e2e.py's load generator: where its connections go, what it
-reads from the services' metrics, how its offline baseline is labelled
-(measured in the run, or given on the command line), and a short Stream
-load run for real."""
+"""benchmarks/e2e.py's load generator (benchmarks/serving/): where its
+connections go, what it reads from the services' metrics, how its offline
+baseline is labelled (measured in the run, or given on the command line),
+and a short Stream load run for real."""
 
 from __future__ import annotations
 
@@ -14,20 +14,12 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from benchmarks.e2e import (
-    Plan,
-    Profile,
-    Step,
-    baseline,
-    connection_targets,
-    document,
-    make_texts,
-    parse_args,
-    pipeline,
-    profile_result,
-    read_metrics,
-    report,
-)
+from benchmarks.e2e import parse_args
+from benchmarks.serving.load import Plan, Step, connection_targets
+from benchmarks.serving.offline import baseline
+from benchmarks.serving.report import document, profile_result, report
+from benchmarks.serving.stack import Profile, pipeline, read_metrics
+from benchmarks.serving.workload import make_texts
 from services.repository import load_repository
 from tests.stack import ROOT, Stack
 

@@ -28,7 +28,8 @@ from engine.build.fallback import (
 )
 from engine.model import load_served_model
 from gateway.batcher_client import BatcherClient
-from gateway.service import Gateway
+from gateway.berth import Berth
+from gateway.pipeline import Gateway
 from gateway.tokenize import Limits
 from services.errors import Unavailable
 from services.fallback_model import FallbackError, FallbackModel, fallback_path
@@ -292,9 +293,10 @@ def test_an_artifact_of_another_width_is_refused(
         try:
             gateway = Gateway({"minilm": entry}, batcher, Limits(), max_in_flight=4)
             gateway.started = True
-            assert gateway.describe("minilm").models[0].dimension == 64
+            berth = Berth(gateway)
+            assert berth.describe("minilm").models[0].dimension == 64
             request = berth_pb2.EmbedRequest(model="minilm", texts=["hello there"])
-            return await gateway.embed(request, timeout_s=10)
+            return await berth.embed(request, timeout_s=10)
         finally:
             await batcher.close()
 

@@ -19,8 +19,8 @@ import grpc
 import pytest
 
 from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
+from tests.metrics import scrape, value
 from tests.stack import ROOT, Stack, free_ports, health, pid_listening
-from tests.test_observability import scrape, value
 
 CONNECTIONS = 16
 CALLS_PER_CONNECTION = 3
@@ -285,8 +285,8 @@ def test_a_large_fallback_call_leaves_the_gateway_answering(
 ) -> None:
     """While the fleet fails, every call is a fallback call: a large one (256
     texts of ~450 tokens, ~1 s on the CPU model) runs off the event loop,
-    so small calls keep being answered while it computes (before, each
-    waited for it)."""
+    so small calls keep being answered while it computes (on the loop, each
+    would wait for it)."""
     (nowhere,) = free_ports(1)
     flags = ("--batcher", f"127.0.0.1:{nowhere}", "--startup-wait-s", "0")
     long_text = "the quick brown fox jumps over the lazy dog " * 50
@@ -300,18 +300,20 @@ def test_a_large_fallback_call_leaves_the_gateway_answering(
             assert stub.Embed(EMBED, timeout=30).degraded  # warm
             began = time.monotonic()
             pending = stub.Embed.future(big, timeout=60)
-            small: list[float] = []
+            answered: list[float] = []  # when each small call was answered
             while not pending.done():  # small calls all through the big one
-                t0 = time.monotonic()
                 assert stub.Embed(EMBED, timeout=30).degraded
-                small.append(time.monotonic() - t0)
+                answered.append(time.monotonic() - began)
                 time.sleep(0.02)
             assert len(pending.result().embeddings) == 256
             took = time.monotonic() - began
-    assert len(small) >= 3, small  # the big call took a while
-    # On the loop, a small call waited for most of the big one; off it, for
-    # a small part of it, however loaded the machine is.
-    assert max(small) < 0.4 * took, (took, small)
+    # Computed on the loop, the big call answers no small call from the start
+    # of its compute to its end (they all wait for it); off the loop, small
+    # calls keep being answered through the middle of it, however loaded the
+    # machine is (each one then just takes longer).
+    middle = [t for t in answered if 0.2 * took < t < 0.8 * took]
+    print(f"big call {took:.2f} s; small calls answered in its middle: {len(middle)}")
+    assert len(middle) >= 3, (took, answered)
 
 
 STARTUP_WAIT_S = 5.0

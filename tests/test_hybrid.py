@@ -16,12 +16,12 @@ import grpc
 import numpy as np
 import pytest
 
-from services.cli import batcher_mode, gateway_route
+from services.cli.topology import batcher_mode, gateway_route
 from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
 from tests.chaos.load import run_load, run_load_while
+from tests.metrics import scrape, value
 from tests.stack import Stack, free_ports, pid_listening, serving
 from tests.test_gateways import service
-from tests.test_observability import scrape, value
 
 
 def route(name: str) -> str:
@@ -138,15 +138,15 @@ def test_a_retry_via_the_batcher_gets_what_is_left_of_the_deadline() -> None:
     """A direct batch that failed goes via the batcher with the rest of its
     deadline; one that failed after spending all of it ends as
     DEADLINE_EXCEEDED, naming the failure; no deadline stays none."""
-    from gateway.inline import _left
+    from gateway.inline import deadline_left
     from services.errors import DeadlineExceeded, EngineFailure
 
     failure = EngineFailure("engine 127.0.0.1:1 failed the batch")
     now = time.monotonic()
-    assert 700 <= _left(1000, now - 0.2, "minilm", failure) <= 800
-    assert _left(0, now - 60.0, "minilm", failure) == 0
+    assert 700 <= deadline_left(1000, now - 0.2, "minilm", failure) <= 800
+    assert deadline_left(0, now - 60.0, "minilm", failure) == 0
     with pytest.raises(DeadlineExceeded, match=r"while 'minilm' was tried \(engine"):
-        _left(100, now - 0.2, "minilm", failure)
+        deadline_left(100, now - 0.2, "minilm", failure)
 
 
 def test_direct_when_idle_needs_engines(repository: Path) -> None:

@@ -16,13 +16,13 @@ import grpc
 import numpy as np
 import pytest
 
-from services.cli import GRPC_IO, set_grpc_io
+from services.cli.supervisor import Child, plan_cpus
+from services.cli.topology import GRPC_IO, set_grpc_io
 from services.idle import cpu_quota
 from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
-from services.supervisor import Child, plan_cpus
+from tests.metrics import scrape, value
 from tests.stack import Stack, children, pid_listening, serving
 from tests.test_gateways import CANCELLED, cancel_behind_a_stalled_engine
-from tests.test_observability import scrape, value
 
 # serve refuses spinners under a CPU quota smaller than its CPUs.
 _QUOTA = cpu_quota()

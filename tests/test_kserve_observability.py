@@ -6,7 +6,7 @@ traceparent sent as tritonclient headers (``infer(headers=...)``,
 unreachable, so the CPU fallback answers (degraded) and one slot in flight
 sheds the rest.
 
-Like tests/test_kserve.py, this process imports tritonclient's `inference`
+Like tests/gateway/test_kserve.py, this process imports tritonclient's `inference`
 stubs, never berth's (services.proto.inference).
 """
 
@@ -24,11 +24,12 @@ import tritonclient.grpc as triton
 from tritonclient.utils import InferenceServerException
 
 from tests import test_observability as observability
+from tests.kserve_inputs import text_input
+from tests.metrics import requests, scrape, value
 from tests.otlp import ReceivedSpan, Receiver
 from tests.stack import Stack, free_ports
 from tests.test_gateways import service
-from tests.test_kserve import requests, text_input
-from tests.test_observability import CLIENT_SPAN, scrape, value, wait_for
+from tests.test_observability import CLIENT_SPAN, wait_for
 
 # The traced stack of test_observability (a real OTLP receiver), started
 # anew for this module.

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.preload_tiles import SHARED_BYTES, neighbours, shared_bytes
-from engine.cuda.kernels import PRELOAD_CHUNKS, PRELOAD_LINEAR, LinearConfig
+from engine.cuda.tiles import PRELOAD_CHUNKS, PRELOAD_LINEAR, LinearConfig
 
 
 def test_shared_bytes_match_what_the_compiler_asked() -> None:
-    """Triton 3.6 for sm_90a (notes/gpu.md, session 17): QKV's 128 x 32 tile
+    """What Triton 3.6 asked for on sm_90a: QKV's 128 x 32 tile
     at 128 tokens 180,224 bytes; FFN-out on 128 columns 262,144 (refused)."""
     assert shared_bytes(LinearConfig(128, 32, 256, 1, 8, preload=True), 768) == 180224
     ffn_out = LinearConfig(128, 128, 256, 6, 8, preload=True)
@@ -34,9 +34,9 @@ def test_neighbours_fit_and_differ(projection: str, hidden: int) -> None:
                 assert tile.split == 1, name
 
 
-def test_neighbours_include_the_tiles_session_17_found() -> None:
+def test_neighbours_reach_attention_outs_searched_tiles() -> None:
     """Attention-out's 64 columns at 128 tokens, and its 4 slices of 64-wide
-    chunks at 16, are one step from the tiles shipped before them."""
+    chunks at 16, are one step from the tiles they were searched from."""
     before_128 = LinearConfig(64, 32, 128, 2, 4, preload=True)
     found = neighbours(before_128, "out", 768, 128).values()
     assert LinearConfig(64, 64, 128, 2, 4, preload=True) in found
@@ -45,10 +45,10 @@ def test_neighbours_include_the_tiles_session_17_found() -> None:
     assert LinearConfig(16, 32, 64, 4, 4, preload=True) in found
 
 
-def test_the_tiles_session_19_took_are_a_step_from_those_before() -> None:
-    """The few-token tiles taken from session 19's tile search are what it
-    timed: one step from the tile each replaced, and that tile one step from
-    them (each check timed the old tile as the new one's neighbour)."""
+def test_the_searched_tiles_are_a_step_from_their_neighbours() -> None:
+    """The few-token tiles the tile search chose are what it timed: one step
+    from the tile each replaced, and that tile one step from them (each
+    check timed the other tile as the chosen one's neighbour)."""
     taken = [
         ("out", 768, 16, LinearConfig(16, 64, 64, 4, 4, preload=True)),
         ("out", 768, 32, LinearConfig(32, 64, 64, 4, 4, preload=True)),

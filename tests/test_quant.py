@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from engine import quant
-from engine.build import calibration
+from engine.build import calibration, quantize
 from engine.encoder import Encoder, EncoderConfig
 from engine.model import ServedModel, load_served_model
 from services.repository import ModelEntry, load_repository
@@ -120,7 +120,7 @@ def test_e4m3_saturates_instead_of_nan() -> None:
 def test_smoothing_moves_input_outliers_into_weights() -> None:
     x_max = torch.tensor([100.0, 1.0, 1.0])
     w = torch.ones(4, 3)
-    s = quant.smoothing_factors(x_max, w, alpha=0.5)
+    s = quantize.smoothing_factors(x_max, w, alpha=0.5)
     assert torch.allclose(s, torch.tensor([10.0, 1.0, 1.0]))
 
 
@@ -187,7 +187,7 @@ def test_gptq_rounds_for_the_product_not_each_weight(rowwise: bool) -> None:
     held_out = torch.randn(512, 64, generator=gen) @ mix
     weight = torch.randn(48, 64, generator=gen)
     nearest, scale = quant.fp8_weight(weight, rowwise)
-    codes = quant.gptq_e4m3(weight, calib.t() @ calib, scale)
+    codes = quantize.gptq_e4m3(weight, calib.t() @ calib, scale)
     assert codes.dtype == torch.float8_e4m3fn and codes.shape == weight.shape
     assert codes.float().abs().max() <= 448.0
     columns = scale[:, None] if rowwise else scale
@@ -213,8 +213,8 @@ def test_gptq_rounds_the_largest_inputs_first() -> None:
     weight = torch.randn(48, 64, generator=gen)
     nearest, scale = quant.fp8_weight(weight, rowwise=False)
     gram = calib.t() @ calib
-    ordered = quant.gptq_e4m3(weight, gram, scale)
-    plain = quant.gptq_e4m3(weight, gram, scale, act_order=False)
+    ordered = quantize.gptq_e4m3(weight, gram, scale)
+    plain = quantize.gptq_e4m3(weight, gram, scale, act_order=False)
 
     def error(q: torch.Tensor, x: torch.Tensor) -> float:
         return float((x @ (weight - q.float() * scale).t()).norm())
@@ -232,7 +232,7 @@ def test_gptq_ignores_inputs_never_seen() -> None:
     x[:, 5] = 0.0
     weight = torch.randn(16, 32, generator=gen)
     nearest, scale = quant.fp8_weight(weight, rowwise=False)
-    codes = quant.gptq_e4m3(weight, x.t() @ x, scale)
+    codes = quantize.gptq_e4m3(weight, x.t() @ x, scale)
     assert torch.isfinite(codes.float()).all()
     assert torch.equal(codes.float()[:, 5], nearest.float()[:, 5])
     exact = x @ weight.t()
@@ -248,7 +248,7 @@ def test_gptq_falls_back_to_nearest_when_x_t_x_is_not_positive(
     weight = torch.randn(8, 16, generator=torch.Generator().manual_seed(2))
     nearest, scale = quant.fp8_weight(weight, rowwise=False)
     with caplog.at_level("WARNING", logger="berth.engine"):
-        codes = quant.gptq_e4m3(weight, -torch.eye(16), scale)
+        codes = quantize.gptq_e4m3(weight, -torch.eye(16), scale)
     assert torch.equal(codes.float(), nearest.float())
     assert "rounded to nearest" in caplog.text
 
@@ -272,7 +272,7 @@ def test_int8_linear_matches_linear() -> None:
 
 def test_record_input_amax_sees_every_linear_and_cleans_up() -> None:
     model = _tiny_model()
-    amax = quant.record_input_amax(model, _tiny_batches())
+    amax = quantize.record_input_amax(model, _tiny_batches())
     names = [name for name, _ in quant.encoder_linears(model)]
     assert sorted(amax) == sorted(names) and len(names) == 4 * TINY.num_layers
     assert all(
@@ -284,13 +284,13 @@ def test_record_input_amax_sees_every_linear_and_cleans_up() -> None:
     for _, module in quant.encoder_linears(model):
         assert not module._forward_pre_hooks
     with pytest.raises(ValueError, match="at least one batch"):
-        quant.record_input_amax(model, [])
+        quantize.record_input_amax(model, [])
 
 
 def test_quantize_int8_replaces_encoder_linears_only() -> None:
     model = _tiny_model()
     reference = copy.deepcopy(model)
-    assert quant.quantize_int8_cpu(model, _tiny_batches()) == 4 * TINY.num_layers
+    assert quantize.quantize_int8_cpu(model, _tiny_batches()) == 4 * TINY.num_layers
     assert not quant.encoder_linears(model)
     ids, lengths = _tiny_batches(1)[0]
     with torch.inference_mode():
@@ -303,10 +303,10 @@ def test_record_inputs_weighs_only_real_tokens() -> None:
     """X^T X (GPTQ's weights) counts each real token's row once: padded
     positions and empty rows add nothing; the max |x| sees them all."""
     ids, lengths = _tiny_batches(1)[0]
-    _, gram = quant.record_inputs(_tiny_model(), [(ids, lengths)], hessians=True)
+    _, gram = quantize.record_inputs(_tiny_model(), [(ids, lengths)], hessians=True)
     padded = torch.cat([ids, torch.randint(1, 200, (2, 16), dtype=torch.int32)])
     longer = torch.cat([lengths, torch.tensor([0, 0], dtype=torch.int32)])
-    _, same = quant.record_inputs(_tiny_model(), [(padded, longer)], hessians=True)
+    _, same = quantize.record_inputs(_tiny_model(), [(padded, longer)], hessians=True)
     names = [name for name, _ in quant.encoder_linears(_tiny_model())]
     assert sorted(gram) == sorted(same) == sorted(names)
     for name in names:
@@ -319,16 +319,16 @@ def test_record_inputs_weighs_only_real_tokens() -> None:
     assert rows.shape[0] == int(lengths.sum())
     qkv = "encoder.layers.0.attention.qkv"
     torch.testing.assert_close(gram[qkv], rows.t() @ rows, rtol=1e-4, atol=1e-3)
-    assert quant.record_inputs(_tiny_model(), [(ids, lengths)])[1] == {}
+    assert quantize.record_inputs(_tiny_model(), [(ids, lengths)])[1] == {}
 
 
 def test_quantize_fp8_on_the_reference_path() -> None:
     model = _tiny_model()
     reference = copy.deepcopy(model)
-    assert quant.quantize_fp8(model, _tiny_batches()) == 4 * TINY.num_layers
+    assert quantize.quantize_fp8(model, _tiny_batches()) == 4 * TINY.num_layers
     assert isinstance(model.get_submodule("encoder.layers.0.ffn_in"), quant.Fp8Linear)
     kept = copy.deepcopy(reference)
-    assert quant.quantize_fp8(kept, _tiny_batches(), keep=frozenset({"out"})) == 6
+    assert quantize.quantize_fp8(kept, _tiny_batches(), keep=frozenset({"out"})) == 6
     out = kept.get_submodule("encoder.layers.0.attention.out")
     assert isinstance(out, nn.Linear) and out.weight.dtype == torch.float16
     assert "rounding=gptq" in repr(model.get_submodule("encoder.layers.1.ffn_out"))
@@ -348,12 +348,12 @@ def test_the_engines_fused_forward_runs_fp8_layers() -> None:
     from engine.cuda.forward import FusedForward
 
     for rowwise, keep in [
-        (False, quant.FP8_KEEP),
+        (False, quantize.FP8_KEEP),
         (False, frozenset({"out"})),  # attention-out kept fp16 in an FP8 layer
-        (True, quant.FP8_KEEP),
+        (True, quantize.FP8_KEEP),
     ]:
         model = _tiny_model()
-        quant.quantize_fp8(model, _tiny_batches(), rowwise=rowwise, keep=keep)
+        quantize.quantize_fp8(model, _tiny_batches(), rowwise=rowwise, keep=keep)
         ids, lengths = _tiny_batches(1)[0]
         forward = FusedForward(model)
         # tensor-wise layers run as FP8 layers, e4m3 written by their producers
@@ -366,7 +366,7 @@ def test_the_engines_fused_forward_runs_fp8_layers() -> None:
 
 
 def test_fp8_kernels_fall_back_to_what_they_compute() -> None:
-    """engine/kernels' e4m3 writers off the GPU: act(x) / scale saturated at
+    """engine/cuda/kernels' e4m3 writers off the GPU: act(x) / scale saturated at
     ±448 (tests/gpu checks the Triton kernels against the same on the H200)."""
     from engine.cuda import kernels
 
@@ -392,13 +392,15 @@ def test_fp8_kernels_fall_back_to_what_they_compute() -> None:
 
 def test_quantize_for_entry_checks_mode_and_device() -> None:
     entry: Any = SimpleNamespace(name="m", quantize="none")
-    assert quant.quantize_for_entry(_tiny_model(), entry, torch.device("cpu")) == "none"
+    assert (
+        quantize.quantize_for_entry(_tiny_model(), entry, torch.device("cpu")) == "none"
+    )
     entry.quantize = "fp8"
     with pytest.raises(ValueError, match="runs on cuda"):
-        quant.quantize_for_entry(_tiny_model(), entry, torch.device("cpu"))
+        quantize.quantize_for_entry(_tiny_model(), entry, torch.device("cpu"))
     entry.quantize = "int4"
     with pytest.raises(ValueError, match="must be one of"):
-        quant.quantize_for_entry(_tiny_model(), entry, torch.device("cpu"))
+        quantize.quantize_for_entry(_tiny_model(), entry, torch.device("cpu"))
 
 
 # ---- accuracy on the default intent model ----------------------------------
@@ -430,7 +432,7 @@ def test_int8_keeps_intent_answers(intent: ModelEntry) -> None:
         buckets=intent.buckets,
         tokenizer_file=intent.tokenizer_file,
     )
-    assert quant.quantize_for_entry(model, entry, torch.device("cpu")) == "int8"
+    assert quantize.quantize_for_entry(model, entry, torch.device("cpu")) == "int8"
     quantized = _outputs(model, batches)
     agreement = (quantized.argmax(1) == reference.argmax(1)).mean()
     print(f"int8 intent agreement on {len(texts)} texts: {agreement:.4f}")

@@ -177,7 +177,7 @@ def test_a_peer_gone_silent_fails_what_is_in_flight_within_the_keepalive(
             silent_at = time.monotonic()
             error: BaseException | None = None
             try:
-                # (Old code: 20 s of keepalive time and 60 s of ping timeout.)
+                # (gRPC's defaults would wait 20 s of keepalive, 60 s of timeout.)
                 await asyncio.wait_for(call, 8)
             except Exception as exc:
                 error = exc
@@ -261,8 +261,8 @@ def test_a_server_takes_pings_at_the_configured_rate_but_not_a_flood(
     """A berth server (the batcher's, the engine's, the gateway's: all are
     ServiceServer) answers a client that pings every keepalive time (here
     0.2 s, set alike on both ends) with no call open, however long. One that
-    asks for longer gaps than its clients keep (the fixed 10 s before, or
-    gRPC's default 5 min) sends GOAWAY "too_many_pings" at the fourth ping,
+    asks for longer gaps than its clients keep (a fixed 10 s, or gRPC's
+    default 5 min) sends GOAWAY "too_many_pings" at the fourth ping,
     and the stream of an idle client goes with it. A client that floods it
     still gets that GOAWAY."""
     fast_keepalive(monkeypatch, time_ms=200)

@@ -2,7 +2,7 @@
 
 Real gRPC servers on loopback: small servicers that end or garble the stream,
 and the batcher's own Submit service in front of a real scheduler whose
-engines are loopback servicers (tests/batcher/test_stuck_engine.py).
+engines are loopback servicers (tests/batcher/loopback.py).
 
 - a stream the peer ends leaves nothing of it running on the client (its
   request writer waited on the dead stream's queue forever, one task per
@@ -25,12 +25,12 @@ import grpc
 import numpy as np
 import pytest
 
-from batcher.scheduler import SchedulerConfig
+from batcher import LocalBatcher, SchedulerConfig
 from batcher.service import BatcherService
 from gateway.batcher_client import BatcherClient
 from services.errors import Unavailable
 from services.proto.berth.v1 import internal_pb2, internal_pb2_grpc
-from tests.batcher.test_stuck_engine import (
+from tests.batcher.loopback import (
     ENTRY,
     SleepyEngine,
     sequence,
@@ -203,7 +203,7 @@ async def batcher(
     answers each batch after ``delay_s``."""
     engine = SleepyEngine(delay_s)
     scheduler, pool, engines = await started([engine], 2, SchedulerConfig())
-    service = BatcherService({ENTRY.name: scheduler})
+    service = BatcherService(LocalBatcher(pool, {ENTRY.name: scheduler}))
     server = grpc.aio.server()
     internal_pb2_grpc.add_BatcherServicer_to_server(service, server)
     address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
@@ -214,7 +214,7 @@ async def batcher(
 def test_a_gateway_that_hangs_up_mid_flight_leaves_no_waiter_behind() -> None:
     async def scenario() -> tuple[int, int]:
         service, server, address, rest = await batcher(delay_s=30)
-        scheduler = service.schedulers[ENTRY.name]
+        scheduler = service.batcher.schedulers[ENTRY.name]
         try:
             async with grpc.aio.insecure_channel(address) as channel:
                 call = internal_pb2_grpc.BatcherStub(channel).Submit()

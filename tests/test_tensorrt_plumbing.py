@@ -41,7 +41,7 @@ from engine.build.tensorrt import (
     entropy_calibrator,
     profile_for,
 )
-from services.default_models import minilm_checkpoint
+from services.cli.default_models import minilm_checkpoint
 from services.repository import DEFAULT_BUCKETS, ModelEntry
 
 BUCKETS = [32, 64, 128, 256, 512]

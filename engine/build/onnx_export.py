@@ -29,12 +29,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine import settings as engine_settings
 from engine.model import ServedModel, load_served_model
 from services.repository import ModelEntry
 
 log = logging.getLogger("berth.engine")
 
-CACHE_ENV = "BERTH_CACHE_DIR"
 OPSET = 18
 INPUT_NAMES = ("input_ids", "lengths")
 OUTPUT_NAME = "output"
@@ -42,8 +42,8 @@ MAX_BATCH = 65536
 
 
 def cache_dir() -> Path:
-    configured = os.environ.get(CACHE_ENV)
-    return Path(configured) if configured else Path.home() / ".cache" / "berth"
+    """BERTH_CACHE_DIR (engine/settings.py)."""
+    return engine_settings.current().cache_dir
 
 
 def file_sha256(path: Path) -> str:

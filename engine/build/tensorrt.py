@@ -36,7 +36,7 @@ from engine.build.calibration import TokenBatch, load_tokenizer, pad_batches, to
 
 log = logging.getLogger("berth.engine")
 
-# The batcher's defaults (batcher/scheduler.py SchedulerConfig).
+# The batcher's defaults (batcher/options.py SchedulerConfig).
 TOKEN_BUDGET = 16384
 MAX_BATCH = 256
 PRECISIONS = ("fp16", "int8")

@@ -1,7 +1,7 @@
 """A served model's forward pass with fused GPU kernels: what the graphs capture.
 
 It computes what :class:`engine.model.ServedModel` computes, from the same
-modules and weights, in fewer passes over device memory (engine/cuda/kernels.py):
+modules and weights, in fewer passes over device memory (engine/cuda/kernels/):
 
 - embeddings: gather, add and LayerNorm in one Triton kernel;
 - attention: no mask tensor, each row's keys cut at its length, by whichever
@@ -12,16 +12,18 @@ modules and weights, in fewer passes over device memory (engine/cuda/kernels.py)
 - feed-forward: bias and GELU in the cuBLASLt epilogue of the first matmul
   (tanh-form GELU; ``gelu_epilogue=False`` keeps the exact erf form);
 - residual add and LayerNorm in one Triton kernel; mean pooling in another;
-- few tokens (a plan per token count, engine/kernels.SMALL_LINEAR): berth's
-  Triton GEMM where it measured faster than cuBLAS, its split-K partials
-  summed by the LayerNorm kernel;
+- few tokens (a plan per token count, from engine/cuda/tiles.py's
+  small_linear table): berth's Triton GEMM where it measured faster than
+  cuBLAS, its split-K partials summed by the LayerNorm kernel;
 - on Hopper, at up to PDL_MAX_TOKENS tokens, every Triton kernel launched
-  dependent on its predecessor (``pdl``, engine/cuda/kernels.py: its launch
+  dependent on its predecessor (``pdl``, engine/cuda/kernels/: its launch
   overlaps the previous kernel's tail); ``BERTH_PDL=0`` turns that off;
 - shapes of up to 128 tokens timed at capture with every GEMM a Triton
-  kernel that reads its weights before it waits (kernels.PRELOAD_LINEAR:
+  kernel that reads its weights before it waits (the preload_linear table:
   one unbroken chain), the faster plan kept (``choose_plan``);
-  ``BERTH_PRELOAD=0`` keeps SMALL_LINEAR's.
+- products as cuBLASLt calls with algorithms timed on their shape (FP8
+  layers; fp16/bf16 layers from HALF_TUNED_MIN_TOKENS), and FP8 FFN-in's
+  activation in cuBLASLt's epilogue; ``BERTH_CUBLASLT=0`` keeps torch's.
 
 Tokens are kept flat ([batch * length, hidden]) so every matmul is one 2-D
 GEMM with its bias in the epilogue. Packed (``tokens`` given): the rows'
@@ -33,107 +35,46 @@ torch ops, so this module imports and computes everywhere.
 from __future__ import annotations
 
 import logging
-import os
-import statistics
-from collections.abc import Callable
-from functools import partial
-from typing import Any, NamedTuple, TypeGuard, cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import settings as engine_settings
 from engine.cuda import kernels
-from engine.cuda.cublaslt import (
-    EPILOGUE_BIAS,
-    EPILOGUE_DEFAULT,
-    EPILOGUE_GELU_BIAS,
-    EPILOGUE_RELU_BIAS,
-    Fp8EpilogueGemm,
-    HalfGemm,
-    aligned,
-    fp8_epilogue_gemm,
-    half_gemm,
-)
-from engine.cuda.graphs import capturing
+from engine.cuda.choices import ShapeChoices
 from engine.cuda.kernels import add_layer_norm, add_layer_norm_partials, mean_pool
+from engine.cuda.layer_products import (
+    Fp8Layer,
+    HalfLayer,
+    adds_residual,
+    fp8_plans,
+    fp8_product,
+    half_plans,
+    inv_scale,
+    takes,
+)
+from engine.cuda.products import HalfGemm
+from engine.cuda.tiles import LinearConfig
+from engine.cuda.timing import packed_starts
 from engine.encoder import ACTIVATIONS, EncoderLayer, key_padding_mask
 from engine.heads import ClsPooling, MeanPooling
 from engine.model import ServedModel
-from services.config import env
 
 log = logging.getLogger("berth.engine")
 
-# BERTH_ATTENTION: auto (default: the faster per shape), flash, triton or sdpa.
-ATTENTION_ENV = "BERTH_ATTENTION"
 ATTENTION_KINDS = ("flash", "triton", "sdpa")
-# Switches read from the environment (services.config.env, on by default):
-# - BERTH_PDL=0: kernels launched the classic way (no dependent launches);
-# - BERTH_PRELOAD=0: few-token forwards keep engine/kernels.SMALL_LINEAR's
-#   plan, never timing PRELOAD_LINEAR's against it (``choose_plan``);
-# - BERTH_FP8_EPILOGUE=0: FP8 layers apply FFN-in's activation in a separate
-#   pass instead of cuBLASLt's epilogue (engine/cuda/cublaslt.py; the epilogue is
-#   1.06-1.08x the FP8 engine at 128 x 128 on the H200). Session 12 left it
-#   opt-in after a graph capture failed once; the cause was garbage collected
-#   during a capture, which engine/cuda_graphs.capturing now holds off
-#   (notes/gpu.md, session 13);
-# - BERTH_FP8_TUNED=0: FP8 layers run QKV, attention-out and FFN-out through
-#   torch._scaled_mm (the heuristic's first algorithm) instead of cuBLASLt
-#   products with an algorithm timed on their shape (engine/cuda/cublaslt.py);
-# - BERTH_FP16_TUNED=0: fp16 (and bf16) layers run their cuBLAS products
-#   through torch (the heuristic's first algorithm, with a workspace it
-#   zeroes first: a memset node before each product in a graph) instead of
-#   cuBLASLt products with an algorithm timed on their shape, with or without
-#   a workspace (``HalfLayer``).
 
 
-class Fp8Layer(NamedTuple):
-    """How ``FusedForward._fp8_layer`` runs one FP8 layer; a product whose
-    cuBLASLt plan is None is torch's (engine/quant.Fp8Linear's forward)."""
-
-    after: torch.Tensor | None  # 1 / the next layer's QKV input scale
-    ffn_in: Fp8EpilogueGemm | None  # FFN-in with activation and e4m3 out
-    qkv: Fp8EpilogueGemm | None = None  # the others, bias in, fp16 out
-    out: Fp8EpilogueGemm | None = None
-    ffn_out: Fp8EpilogueGemm | None = None
-
-
-class HalfLayer(NamedTuple):
-    """An fp16/bf16 layer's products where torch's cuBLAS would run them
-    (shapes without berth's few-token tiles), as cuBLASLt calls with an
-    algorithm timed per token count (engine/cublaslt.HalfGemm): QKV with its
-    bias, FFN-in with its bias and, where cuBLASLt computes it (ReLU, GELU's
-    tanh form), its activation, and in fp16 the two products followed by a
-    residual added to it in place (``_adds_residual``). None: torch's product."""
-
-    qkv: HalfGemm | None
-    out: HalfGemm | None
-    ffn_in: HalfGemm | None
-    ffn_in_act: bool  # whether ffn_in applies the activation itself
-    ffn_out: HalfGemm | None
-
-
-# Forwards of at least this many tokens run HalfLayer's products. H200,
-# BERT-base, the engine's graphs against torch's products, two runs: 4,096 to
-# 32,768 tokens 1.01-1.05x (128 x 128 1.02-1.04x, 64 x 512 1.05x), but 512 to
-# 2,048 tokens 0.88-0.98x, with algorithms timed on one weight copy or on
-# copies read cold (notes/gpu.md, session 18).
-HALF_TUNED_MIN_TOKENS = 4096
 # Dependent launches up to this many tokens a forward. H200, end to end over
 # four runs: 1.01-1.23x at 16-256 tokens (mostly 1.06-1.09x), 0.97-1.00x at
 # 512-1,024 (MiniLM 0.90-0.99x at 1,024): benchmarks/small_batch.py.
 PDL_MAX_TOKENS = 256
 # Unpacked forwards of up to this many tokens take ids straight from a mapped
-# host buffer in the embedding kernel (``reads_host``); measured at 16 and 128
-# (notes/gpu.md, session 15), where it saved the ~2 us copy kernel before it.
+# host buffer in the embedding kernel (``reads_host``); measured at 16 and 128,
+# where it saves the ~2 us copy kernel that would run ahead of it.
 HOST_READ_MAX_TOKENS = 256
-# Attention of a batch whose every row is full, with no mask: SDPA's own pick
-# for dense rows (cuDNN's or flash's batch kernel, faster than flash's varlen
-# path for any lengths) or berth's Triton kernel, whichever is faster for the
-# shape (``choose_full_rows``). H200, BERT-base, inside CUDA graphs: 128 x 128
-# SDPA (cuDNN) 30 us a layer, Triton 42, flash 47; 256 x 64 Triton 34, cuDNN
-# 56; 32 x 512 cuDNN 69, Triton 94.
-FULL_ROWS = ("sdpa", None, False)
 
 
 def flash_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -154,7 +95,7 @@ def flash_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> 
     return True
 
 
-class FusedForward:
+class FusedForward(ShapeChoices):
     """ServedModel's forward with fused kernels: same weights, same function."""
 
     def __init__(
@@ -187,8 +128,9 @@ class FusedForward:
         else:
             self.plan_act = kernels.ACT_GELU_ERF
         self.mean = isinstance(served.pooling, MeanPooling)
+        settings = engine_settings.current()
         if pdl is None:
-            pdl = env("PDL", True)
+            pdl = settings.pdl
         self.pdl = pdl and kernels.pdl_available(weight)
         self.pdl_max_tokens = PDL_MAX_TOKENS
         self.kinds = self._available(weight)
@@ -196,102 +138,23 @@ class FusedForward:
         self.full_rows: dict[tuple[int, int], str] = {}  # the same, full rows
         self._starts: dict[tuple[int, int], torch.Tensor] = {}
         # By (tokens, preloading): the few-token GEMMs' tiles.
-        self._plans: dict[tuple[int, bool], dict[str, kernels.LinearConfig]] = {}
-        if preload is None:
-            preload = env("PRELOAD", True)
-        self.preload = preload
+        self._plans: dict[tuple[int, bool], dict[str, LinearConfig]] = {}
+        self.preload = True if preload is None else preload
         # (batch, length) -> whether its forward runs PRELOAD_LINEAR's plan.
         self.preloaded: dict[tuple[int, int], bool] = {}
+        # (The separate passes and torch's products stay the way wherever
+        # cuBLASLt cannot make a product.)
         if fp8_epilogue is None:
-            fp8_epilogue = env("FP8_EPILOGUE", True)
+            fp8_epilogue = settings.cublaslt
         if fp8_tuned is None:
-            fp8_tuned = env("FP8_TUNED", True)
-        self.fp8 = self._fp8_plans(fp8_epilogue, fp8_tuned)
+            fp8_tuned = settings.cublaslt
+        self.fp8 = fp8_plans(self, fp8_epilogue, fp8_tuned)
         if fp16_tuned is None:
-            fp16_tuned = env("FP16_TUNED", True)
-        self.half = self._half_plans(fp16_tuned)
-
-    def _half_plans(self, tuned: bool) -> list[HalfLayer | None]:
-        """``HalfLayer`` per layer: for each fp16/bf16 layer on a GPU with
-        ``tuned``, None for the others (FP8, or on the CPU)."""
-        weight = self.encoder.embeddings.word.weight
-        if not tuned or not weight.is_cuda:
-            return [None] * len(self.layers)
-        if self.activation == "relu":
-            act_epilogue: int | None = EPILOGUE_RELU_BIAS
-        elif self.epilogue:
-            act_epilogue = EPILOGUE_GELU_BIAS
-        else:  # GELU's erf form: cuBLASLt adds the bias, a kernel applies it
-            act_epilogue = None
-        plans: list[HalfLayer | None] = []
-        for layer, fp8 in zip(self.layers, self.fp8, strict=True):
-            if fp8 is not None or not isinstance(layer.ffn_in, nn.Linear):
-                plans.append(None)
-                continue
-            att = layer.attention
-            out = ffn_out = None
-            if _adds_residual(layer.ffn_out.weight):
-                out = half_gemm(att.out, EPILOGUE_DEFAULT, accumulate=True)
-                ffn_out = half_gemm(layer.ffn_out, EPILOGUE_DEFAULT, accumulate=True)
-            plans.append(
-                HalfLayer(
-                    qkv=half_gemm(att.qkv),
-                    out=out,
-                    ffn_in=half_gemm(layer.ffn_in, act_epilogue or EPILOGUE_BIAS),
-                    ffn_in_act=act_epilogue is not None,
-                    ffn_out=ffn_out,
-                )
-            )
-        made = [p for p in plans if p is not None]
-        if made:
-            log.info(
-                "%d of %d layers run their cuBLAS products as cuBLASLt calls "
-                "with timed algorithms", len(made), len(plans),
-            )  # fmt: skip
-        return plans
-
-    def _fp8_plans(self, epilogue: bool, tuned: bool) -> list[Fp8Layer | None]:
-        """For each layer whose projections are static tensor-wise FP8
-        (``_fp8_layer``): the next layer's QKV input scale, when that product
-        is FP8 too (this layer's closing LayerNorm writes its e4m3 input), and
-        with ``epilogue``, FFN-in as one cuBLASLt product that applies the
-        activation and writes FFN-out's e4m3 input, and with ``tuned``, the
-        other products as cuBLASLt's with timed algorithms (engine/cuda/cublaslt.py)."""
-        ready = [_fp8_ready(layer) for layer in self.layers]
-        act = {kernels.ACT_GELU_TANH: "gelu_tanh", kernels.ACT_RELU: "relu"}
-        plans: list[Fp8Layer | None] = []
-        for i, layer in enumerate(self.layers):
-            if not ready[i]:
-                plans.append(None)
-                continue
-            follows = i + 1 < len(self.layers) and ready[i + 1]
-            after = _inv_scale(self.layers[i + 1].attention.qkv) if follows else None
-            ffn_in = None
-            if epilogue and self.plan_act in act:
-                ffn_in = fp8_epilogue_gemm(
-                    layer.ffn_in, _inv_scale(layer.ffn_out), act[self.plan_act]
-                )
-            others = (layer.attention.qkv, layer.attention.out, layer.ffn_out)
-            qkv, out, ffn_out = (
-                fp8_epilogue_gemm(p) if tuned else None for p in others
-            )
-            plans.append(Fp8Layer(after, ffn_in, qkv, out, ffn_out))
-        made = [p for p in plans if p is not None]
-        if made:
-            log.info(
-                "fp8: %d of %d layers run as FP8 layers, %d with FFN-in's "
-                "activation in cuBLASLt's epilogue, %d with timed cuBLASLt products",
-                len(made), len(plans), sum(p.ffn_in is not None for p in made),
-                sum(p.ffn_out is not None for p in made),
-            )  # fmt: skip
-        return plans
+            fp16_tuned = settings.cublaslt
+        self.half = half_plans(self, fp16_tuned)
 
     def _available(self, weight: torch.Tensor) -> list[str]:
-        forced = os.environ.get(ATTENTION_ENV, "auto")
-        if forced != "auto" and forced not in ATTENTION_KINDS:
-            raise ValueError(
-                f"{ATTENTION_ENV}={forced!r}: use auto or {ATTENTION_KINDS}"
-            )
+        forced = engine_settings.current().attention
         kinds = []
         if flash_available(weight.device, weight.dtype, self.head_dim):
             kinds.append("flash")
@@ -391,7 +254,7 @@ class FusedForward:
         if not self.packs(batch, length):
             raise ValueError(f"attention {kind!r} cannot run packed rows")
         used = lengths.clamp(min=1).to(torch.int32)
-        starts = _packed_starts(used)
+        starts = packed_starts(used)
         pdl = self._dependent(tokens)
         x = kernels.embed_packed(
             self.encoder.embeddings, ids, used, starts, tokens, pdl
@@ -403,149 +266,6 @@ class FusedForward:
         else:  # CLS: each row's first token
             pooled = x[starts[:-1].long()].float()
         return self.served.post(pooled)
-
-    def choose_attention(self, batch: int, length: int, packed: bool = False) -> str:
-        """The faster attention kernel for this shape, timed in a CUDA graph
-        (``time_in_graph``; random inputs, lengths in (L/2, L]; rows packed as the
-        graph will run them when ``packed``); remembered for the graphs.
-        Shapes whose kernels launch dependent take berth's Triton kernel
-        untimed: it waits inside the chain, where flash's classic launch
-        breaks it (alone the two are within noise at such shapes, and timing
-        picked flash on some: BERT-base 1 x 128 took 0.458 ms end to end with
-        flash, 0.421 with Triton, benchmarks/engine.py on the H200)."""
-        if len(self.kinds) == 1:
-            self.chosen[(batch, length)] = self.kinds[0]
-            return self.kinds[0]
-        if self._dependent(batch * length) and "triton" in self.kinds:
-            self.chosen[(batch, length)] = "triton"
-            return "triton"
-        weight = self.encoder.embeddings.word.weight
-        lengths = _timing_lengths(batch, length, weight.device)
-        used = lengths.to(torch.int32)
-        candidates = {}
-        for kind in self.kinds:
-            keys = self._keys(kind, lengths, batch, length)
-            if packed and kind in ("flash", "triton"):
-                keys = (kind, (used, _packed_starts(used)), True)
-            candidates[kind] = keys
-        tokens = int(used.sum()) if packed else batch * length
-        best = self._fastest(candidates, tokens, batch, length)
-        self.chosen[(batch, length)] = best
-        return best
-
-    def choose_full_rows(self, batch: int, length: int) -> str:
-        """The faster attention for a batch of this shape whose every row is
-        full (FULL_ROWS): SDPA with no mask or berth's Triton kernel, timed in
-        a CUDA graph; remembered for that batch's graph."""
-        if "triton" not in self.kinds:
-            self.full_rows[(batch, length)] = "sdpa"
-            return "sdpa"
-        weight = self.encoder.embeddings.word.weight
-        lengths = torch.full((batch,), length, dtype=torch.int32, device=weight.device)
-        candidates = {
-            kind: self._full_keys(kind, lengths, batch, length)
-            for kind in ("sdpa", "triton")
-        }
-        best = self._fastest(candidates, batch * length, batch, length)
-        self.full_rows[(batch, length)] = best
-        return best
-
-    def choose_plan(
-        self, batch: int, length: int, run: Callable[[], object] | None = None
-    ) -> bool:
-        """Whether this shape's forward runs engine/kernels.PRELOAD_LINEAR's
-        GEMMs instead of SMALL_LINEAR's plan: one batch timed with each in a
-        CUDA graph from an idle GPU, as batches run, the faster remembered
-        for the shape's graphs (``time_in_turn``: the two graphs replayed
-        alternately, the median of 25 rounds, so the card's clocks, which
-        drift while the engine captures, weigh on both alike; timed one after
-        the other, the choice at 128 tokens flipped between runs). ``run`` is
-        that batch: the engine's whole graph step on its own buffers (the
-        forward alone, on random ids with lengths in (L/2, L], where not
-        given). The step and the forward alone can rank the plans
-        differently: at 128 tokens on the H200 the two plans' forwards tie
-        while the preloading plan's zero-copy step is ~5 % faster
-        (notes/gpu.md, session 15). Only shapes
-        ``preload_eligible`` are timed; call it after ``choose_attention``.
-        A preloading forward that fails to run is logged and the shape keeps
-        the other plan."""
-        key = (batch, length)
-        self.preloaded[key] = False
-        if not self.preload_eligible(batch * length):
-            return False
-        if run is None:
-            weight = self.encoder.embeddings.word.weight
-            ids = torch.randint(
-                0, weight.shape[0], (batch, length), device=weight.device
-            )
-            lengths = _timing_lengths(batch, length, weight.device)
-            run = partial(self, ids, lengths)
-        graphs = []
-        for preload in (False, True):
-            self.preloaded[key] = preload
-            try:
-                graphs.append(captured(run))
-            except Exception as exc:  # Triton's errors are not RuntimeErrors
-                self.preloaded[key] = False
-                if not preload:
-                    raise
-                log.warning(
-                    "%dx%d: the preloading GEMMs failed (%s); the shape keeps "
-                    "SMALL_LINEAR's plan", batch, length, exc,
-                )  # fmt: skip
-                return False
-        ms = dict(zip((False, True), time_in_turn(graphs), strict=True))
-        self.preloaded[key] = ms[True] < ms[False]
-        log.debug(
-            "%dx%d forward: %.3f ms with preloading GEMMs, %.3f ms without",
-            batch, length, ms[True], ms[False],
-        )  # fmt: skip
-        return self.preloaded[key]
-
-    def preload_eligible(self, tokens: int) -> bool:
-        """Whether a forward of this many tokens may take PRELOAD_LINEAR's
-        plan: preloading on, kernels launched dependent, a plan in the table,
-        and some layer not FP8 (FP8 layers take their own products)."""
-        return (
-            self.preload
-            and self._dependent(tokens)
-            and any(plan is None for plan in self.fp8)
-            and bool(self._plan(tokens, True))
-        )
-
-    def _fastest(
-        self,
-        candidates: dict[str, tuple[str, Any, bool]],
-        tokens: int,
-        batch: int,
-        length: int,
-    ) -> str:
-        """The candidate whose attention over random qkv [tokens, 3H] is
-        fastest in a CUDA graph (``time_in_graph``); one that cannot run the shape is
-        skipped with a warning."""
-        weight = self.encoder.embeddings.word.weight
-        qkv = torch.randn(
-            tokens, 3 * self.heads * self.head_dim,
-            device=weight.device, dtype=weight.dtype,
-        )  # fmt: skip
-        timings = {}
-        for kind, keys in candidates.items():
-            try:
-                timings[kind] = time_in_graph(
-                    lambda keys=keys: self._attend(qkv, batch, length, keys)
-                )
-            except RuntimeError as exc:  # a kernel that cannot run this shape
-                log.warning("attention %s at %dx%d: %s", kind, batch, length, exc)
-        return min(timings, key=lambda k: timings[k])
-
-    def _full_keys(
-        self, kind: str, lengths: torch.Tensor, batch: int, length: int
-    ) -> tuple[str, Any, bool]:
-        """What ``_attend`` takes for full rows: no mask, or the Triton
-        kernel's lengths (all L) and row starts."""
-        if kind == "sdpa":
-            return FULL_ROWS
-        return self._keys("triton", lengths, batch, length)
 
     def _keys(
         self, kind: str, lengths: torch.Tensor, batch: int, length: int
@@ -595,24 +315,24 @@ class FusedForward:
         qkv, out, ffn_in, ffn_out = att.qkv, att.out, layer.ffn_in, layer.ffn_out
         pdl = self._dependent(len(x))
         if x8 is None:
-            x8 = kernels.quantize_e4m3(x, _inv_scale(qkv), pdl=pdl)
-        context = self._attend(_product(plan.qkv, qkv, x8), batch, length, keys)
+            x8 = kernels.quantize_e4m3(x, inv_scale(qkv), pdl=pdl)
+        context = self._attend(fp8_product(plan.qkv, qkv, x8), batch, length, keys)
         if isinstance(out, nn.Linear):
             y = F.linear(context, out.weight, out.bias)
         else:
-            context8 = kernels.quantize_e4m3(context, _inv_scale(out), pdl=pdl)
-            y = _product(plan.out, out, context8)
+            context8 = kernels.quantize_e4m3(context, inv_scale(out), pdl=pdl)
+            y = fp8_product(plan.out, out, context8)
         norm = layer.norm1
         x, h8 = kernels.add_layer_norm_e4m3(
-            y, x, norm.weight, norm.bias, self.eps, _inv_scale(ffn_in), pdl
+            y, x, norm.weight, norm.bias, self.eps, inv_scale(ffn_in), pdl
         )
         if plan.ffn_in is not None and plan.ffn_in.runs(len(h8)):
             inner8 = plan.ffn_in(h8)
         else:
             inner8 = kernels.quantize_e4m3(
-                ffn_in(h8), _inv_scale(ffn_out), self.plan_act, pdl
+                ffn_in(h8), inv_scale(ffn_out), self.plan_act, pdl
             )
-        y, norm = _product(plan.ffn_out, ffn_out, inner8), layer.norm2
+        y, norm = fp8_product(plan.ffn_out, ffn_out, inner8), layer.norm2
         if plan.after is None:
             return add_layer_norm(y, x, norm.weight, norm.bias, self.eps, pdl=pdl), None
         return kernels.add_layer_norm_e4m3(
@@ -637,7 +357,7 @@ class FusedForward:
                 x, attention.qkv.weight, attention.qkv.bias, config=plan["qkv"],
                 pdl=self._dependent(len(x)),
             )  # fmt: skip
-        elif half is not None and _takes(half.qkv, x):
+        elif half is not None and takes(half.qkv, x):
             qkv = half.qkv(x)
         else:
             qkv = F.linear(x, attention.qkv.weight, attention.qkv.bias)
@@ -654,13 +374,11 @@ class FusedForward:
 
     def forget_plans(self) -> None:
         """Drop the GEMM plans made so far, so the next forward reads
-        kernels.SMALL_LINEAR and PRELOAD_LINEAR again (a tile search:
+        the tile tables (engine/cuda/tiles.py) again (a tile search:
         benchmarks/preload_tiles.py). Graphs captured keep their plans."""
         self._plans.clear()
 
-    def _plan(
-        self, tokens: int, preload: bool = False
-    ) -> dict[str, kernels.LinearConfig]:
+    def _plan(self, tokens: int, preload: bool = False) -> dict[str, LinearConfig]:
         """Which projections run berth's few-token GEMM at this many tokens,
         with which tiles (``preload``: PRELOAD_LINEAR's, {} where it has none)."""
         key = (tokens, preload)
@@ -678,7 +396,7 @@ class FusedForward:
         linear: nn.Module,
         residual: torch.Tensor,
         norm: nn.LayerNorm,
-        tiles: kernels.LinearConfig | None,
+        tiles: LinearConfig | None,
         tuned: HalfGemm | None = None,
     ) -> torch.Tensor:
         """LayerNorm(x W^T + b + residual). ``residual`` may be overwritten:
@@ -687,11 +405,11 @@ class FusedForward:
         pdl = self._dependent(len(x))
         if not isinstance(linear, nn.Linear):  # a quantized layer (FP8)
             out = linear(x)
-        elif tiles is None and _adds_residual(residual) and kernels.use_triton(x):
+        elif tiles is None and adds_residual(residual) and kernels.use_triton(x):
             # cuBLAS adds the residual (beta = 1, in place) and the LayerNorm
             # reads one tensor, not two: 1-2.6 % of a packed 64-256 x 64-128
-            # batch on the H200 (notes/gpu.md, session 17).
-            if _takes(tuned, x, residual):
+            # batch on the H200 (an A/B probe).
+            if takes(tuned, x, residual):
                 tuned.add_to(x, residual)
             else:
                 residual.addmm_(x, linear.weight.t())
@@ -737,7 +455,7 @@ class FusedForward:
         self,
         layer: EncoderLayer,
         x: torch.Tensor,
-        tiles: kernels.LinearConfig | None = None,
+        tiles: LinearConfig | None = None,
         half: HalfLayer | None = None,
     ) -> torch.Tensor:
         linear = layer.ffn_in
@@ -748,7 +466,7 @@ class FusedForward:
             return kernels.linear(
                 x, linear.weight, linear.bias, self.plan_act, tiles, pdl
             )
-        if half is not None and _takes(half.ffn_in, x):
+        if half is not None and takes(half.ffn_in, x):
             inner = half.ffn_in(x)
             return inner if half.ffn_in_act else layer.act(inner)
         if self.activation == "relu":
@@ -771,107 +489,3 @@ class FusedForward:
                 0, (batch + 1) * length, length, dtype=torch.int32, device=device
             )
         return self._starts[key]
-
-
-def _adds_residual(residual: torch.Tensor) -> bool:
-    """Whether a projection may add its product into the residual in cuBLAS
-    (``_project_norm``): in fp16 only. The sum is rounded to the residual's
-    type there, before the LayerNorm; bf16's 8-bit mantissa made that cost 3
-    of the intent model's 784 answers against float32, where rounding the
-    product alone and adding in the LayerNorm's float32 cost none (H200,
-    notes/gpu.md, session 19)."""
-    return residual.dtype == torch.float16
-
-
-def _takes(gemm: HalfGemm | None, *tensors: torch.Tensor) -> TypeGuard[HalfGemm]:
-    """Whether a tuned product (None: none was made) runs on these tensors:
-    at least HALF_TUNED_MIN_TOKENS rows, each tensor as cuBLASLt's heuristic
-    assumes it (engine/cublaslt.aligned), and a plan for their token count
-    (made now, before any capture: engine/cuda_graphs runs each shape
-    eagerly first)."""
-    if gemm is None or len(tensors[0]) < HALF_TUNED_MIN_TOKENS:
-        return False
-    return all(map(aligned, tensors)) and gemm.runs(len(tensors[0]))
-
-
-def _fp8_ready(layer: EncoderLayer) -> bool:
-    """Whether ``layer``'s projections take e4m3 input in their own static
-    scale (engine/quant.Fp8Linear, tensor-wise, static input scales): all
-    four, or all but the attention's output projection, kept an nn.Linear."""
-    projections = (layer.attention.qkv, layer.ffn_in, layer.ffn_out)
-    out = layer.attention.out
-    fp8 = all(getattr(p, "static_tensorwise", False) for p in projections)
-    return fp8 and (
-        isinstance(out, nn.Linear) or getattr(out, "static_tensorwise", False)
-    )
-
-
-def _product(
-    gemm: Fp8EpilogueGemm | None, linear: nn.Module, x8: torch.Tensor
-) -> torch.Tensor:
-    """An FP8 projection of e4m3 x8: its cuBLASLt plan where it has one for
-    this many tokens, else the module (torch._scaled_mm)."""
-    if gemm is not None and gemm.runs(len(x8)):
-        return gemm(x8)
-    return cast(torch.Tensor, linear(x8))
-
-
-def _inv_scale(projection: nn.Module) -> torch.Tensor:
-    """1 / the static input scale of an FP8 projection (a device scalar)."""
-    return cast(torch.Tensor, projection.input_inv_scale)
-
-
-def _timing_lengths(batch: int, length: int, device: torch.device) -> torch.Tensor:
-    """Random row lengths in (L/2, L]: what the choices at capture are timed on."""
-    return torch.randint(length // 2 + 1, length + 1, (batch,), device=device)
-
-
-def _packed_starts(used: torch.Tensor) -> torch.Tensor:
-    """int32 [B + 1]: where each packed row starts (cumulative lengths, 0 first)."""
-    return F.pad(used.cumsum(0, dtype=torch.int32), (1, 0))
-
-
-def time_in_graph(fn: Any, calls: int = 10, rounds: int = 3) -> float:
-    """Milliseconds per call of fn's GPU work: ``calls`` calls captured in one
-    CUDA graph, as the engine will run them, the best of a few replays.
-
-    Back-to-back eager calls timed Python's launches instead, where kernels
-    take a few microseconds: they picked flash attention for BERT-base 128 x
-    16, whose graph then took 1.32 ms against 0.95 with berth's kernel
-    (benchmarks/engine.py, H200)."""
-    graph = captured(fn, calls)
-    return min(replay_ms(graph) for _ in range(rounds)) / calls
-
-
-def captured(fn: Any, calls: int = 1) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of ``calls`` calls of fn, after one eager warm-up call
-    (Triton compiles, cuBLAS picks its kernels)."""
-    fn()
-    graph = torch.cuda.CUDAGraph()
-    with capturing(graph):
-        for _ in range(calls):
-            fn()
-    return graph
-
-
-def time_in_turn(graphs: list[torch.cuda.CUDAGraph], rounds: int = 25) -> list[float]:
-    """Milliseconds of one replay of each graph from an idle stream, as a
-    batch runs: the median of ``rounds`` rounds that replay every graph once,
-    in turn, each replay timed by events and waited for."""
-    times: list[list[float]] = [[] for _ in graphs]
-    for _ in range(rounds):
-        for graph, own in zip(graphs, times, strict=True):
-            own.append(replay_ms(graph))
-    return [statistics.median(own) for own in times]
-
-
-def replay_ms(graph: torch.cuda.CUDAGraph) -> float:
-    """Milliseconds of one replay on the current stream: events around it,
-    then waited for."""
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)

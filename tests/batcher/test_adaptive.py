@@ -120,10 +120,11 @@ def test_batches_formed_before_a_size_change_do_not_unsettle_it(
     lag: int, b: float
 ) -> None:
     """Batches still in flight when the size changes report the old size.
-    Counted for the new one, a batch of a missing size made the size just
-    shrunk to look slow: the known-good size was forgotten and the size
-    swung 59 <-> 93 around the best 75 (one engine); smaller ones from
-    before a growth made a size that misses look good."""
+    Counted for the new one, a batch of a missing size would make the size
+    just shrunk look slow: the known-good size would be forgotten and the
+    size would swing around the best (59 <-> 93 around 75, one engine);
+    smaller ones from before a growth would make a size that misses look
+    good."""
     core, sizer = make()
     engine = SimEngine(b=b)
     best = engine.best()
@@ -192,8 +193,8 @@ def test_per_bucket_targets_and_validation() -> None:
 def test_a_new_ceiling_starts_its_stuck_count_afresh() -> None:
     """Windows stuck under one ceiling say nothing of the next: a ceiling set
     lower (the engine got slower) is probed after ``probe_after`` windows
-    settled under it, not after the windows the old one had left. (The
-    count carried over, and the new ceiling was probed at once: one more
+    settled under it, not after the windows the old one had left. (Carried
+    over, the count would have the new ceiling probed at once: one more
     batch over the target.)
 
     An engine meets the target below 40 rows and misses it from 40: the

@@ -32,7 +32,8 @@ import pytest
 
 from batcher import scheduler as scheduler_module
 from batcher.engines import EnginePool
-from batcher.scheduler import ModelScheduler, SchedulerConfig
+from batcher.options import SchedulerConfig
+from batcher.scheduler import ModelScheduler
 from engine.service import EngineService
 from engine.torch_backend import TorchBackend
 from services.proto.berth.v1 import internal_pb2, internal_pb2_grpc
@@ -95,7 +96,7 @@ def test_a_burst_of_ready_buckets_waits_for_free_slots(tiny: ModelEntry) -> None
         async def watch() -> None:  # batches dispatched and not yet finished
             nonlocal most
             while len(answers) < len(BUCKETS):
-                most = max(most, len(scheduler._inflight))
+                most = max(most, len(scheduler.dispatcher.running))
                 await asyncio.sleep(0)
 
         # One sequence per bucket, all at once: every bucket is ready for the
@@ -130,7 +131,7 @@ def test_a_busy_engine_is_not_ejected_when_a_queued_batch_loses_its_hedge(
         config = SchedulerConfig(max_delay_s=0.001, hedge_delay_s=0.3, hedge_p95=True)
         scheduler = ModelScheduler(entry, pool, config)
         # Batches of the 64-token bucket take 10 s at p95: theirs hedge late.
-        scheduler.latencies[BUCKETS.index(64)].extend([10.0] * 20)
+        scheduler.dispatcher.latencies[BUCKETS.index(64)].extend([10.0] * 20)
         busy_service._compute.submit(release.wait)  # its device: other work
         await serving(scheduler, pool, busy_server)
         answers: list[internal_pb2.SequenceResult] = []
@@ -178,7 +179,7 @@ def test_no_hedge_goes_to_an_engine_whose_slots_are_full(tiny: ModelEntry) -> No
             scheduler.submit(sequences(entry.name, [n]), answers.append)
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.3)  # every batch is past its hedge delay
-        hedged = scheduler.hedges.sent
+        hedged = scheduler.dispatcher.hedges.sent
         release.set()
         try:
             await until(lambda: len(answers) == 4, "all 4 answered")
@@ -295,9 +296,9 @@ def test_two_models_batches_on_one_engine_get_their_own_answers(
 ) -> None:
     """Every model's batches share each engine's one stream, whose answers
     are matched by batch id. Two models' first batches, sent together, each
-    get their own model's output (with ids counted per model both were 1:
-    one caller got the other model's answer, the other none until the batch
-    timeout ejected the engine)."""
+    get their own model's output (with ids counted per model both would be
+    1: one caller would get the other model's answer, the other none until
+    the batch timeout ejected the engine)."""
     entries, answers = two_models_at_once(tiny)
     backend = TorchBackend("cpu")
     tokens = np.frombuffer(sequences("", TWO_LENGTHS).token_ids, dtype="<i4")
@@ -333,8 +334,8 @@ def test_work_expiring_while_no_engine_is_up_is_still_answered(
 ) -> None:
     """A sequence queued when its engine goes away, whose deadline passes
     during the engine-less grace, is answered DEADLINE_EXCEEDED when the
-    grace ends (the core dropped it as expired while the scheduler failed
-    what was queued, and nobody took the drop: it was never answered)."""
+    grace ends (the core drops it as expired while the scheduler fails what
+    is queued: that drop is answered too)."""
     monkeypatch.setattr(scheduler_module, "NO_ENGINE_GRACE_S", 0.3)
     entry = dataclasses.replace(tiny, buckets=BUCKETS)
     release = threading.Event()
@@ -379,8 +380,8 @@ def test_work_submitted_after_drain_is_refused_not_left_queued(
 ) -> None:
     """Once drained, the scheduler's loop is gone, but its gateways' streams
     stay open until the server stops (up to its grace period): a sequence
-    they send meanwhile is refused UNAVAILABLE at once (it was queued where
-    nothing would ever batch it)."""
+    they send meanwhile is refused UNAVAILABLE at once (queued, it would
+    wait where nothing ever batches it)."""
     entry = dataclasses.replace(tiny, buckets=BUCKETS)
 
     async def scenario() -> list[internal_pb2.SequenceResult]:
@@ -412,8 +413,9 @@ def test_a_flooded_model_does_not_starve_another_on_the_same_engine(
 ) -> None:
     """Two models' schedulers share an engine's slots. With one model's
     backlog always ready, the other's lone sequence still gets a slot soon
-    (every freed slot woke the first-subscribed scheduler first, which took
-    it: the other model waited for the whole backlog, 400 of 400)."""
+    (if every freed slot woke the first-subscribed scheduler first, that
+    one would take it, and the other model would wait for the whole
+    backlog, 400 of 400)."""
     flooded = dataclasses.replace(tiny, name="flooded", buckets=BUCKETS)
     other = dataclasses.replace(tiny, name="other", buckets=BUCKETS)
 

@@ -1,6 +1,6 @@
 """An engine's failures and ejection across a restart of its process.
 
-A real engine servicer on a loopback port (tests/batcher/test_stuck_engine.py)
+A real engine servicer on a loopback port (tests/batcher/loopback.py)
 behind the batcher's engine pool and scheduler is stopped and a new one
 started on the same port: the pool's stream to it breaks and reconnects, as
 when the supervisor restarts a crashed engine.
@@ -25,10 +25,11 @@ import grpc
 import pytest
 
 from batcher.engines import LOADING_POLL_S, EngineClient, EnginePool
-from batcher.scheduler import ModelScheduler, SchedulerConfig
+from batcher.options import SchedulerConfig
+from batcher.scheduler import ModelScheduler
 from services.errors import ENGINE_LOADING
 from services.proto.berth.v1 import internal_pb2, internal_pb2_grpc
-from tests.batcher.test_stuck_engine import ENTRY, SleepyEngine, sequence
+from tests.batcher.loopback import ENTRY, SleepyEngine, sequence
 
 
 async def engine_on(port: int = 0, fails: bool = False) -> tuple[grpc.aio.Server, int]:
@@ -166,10 +167,10 @@ def test_an_engine_loading_its_models_is_asked_again_soon(
 ) -> None:
     """An engine loads its models for 2 s (a restart; minutes on a GPU):
     its Info is asked every LOADING_POLL_S meanwhile, and it is connected
-    within about that once ready, with no warning. (Each "loading" answer
-    counted as a failed try: the waits grew 0.05, 0.1, ... 1.6 s, the engine
-    was connected up to 2.4 s after it was ready, and the stream client
-    warned at each start.)"""
+    within about that once ready, with no warning. (Counted as failed tries,
+    the "loading" answers would grow the waits 0.05, 0.1, ... 1.6 s, the
+    engine would be connected up to 2.4 s after it is ready, and the stream
+    client would warn at each start.)"""
 
     async def scenario() -> tuple[LoadingEngine, float]:
         servicer = LoadingEngine(load_s=2.0)

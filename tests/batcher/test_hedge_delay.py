@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
+from batcher.dispatch import P95_EVERY
 from batcher.engines import EnginePool
-from batcher.scheduler import P95_EVERY, ModelScheduler, SchedulerConfig
+from batcher.options import SchedulerConfig
+from batcher.scheduler import ModelScheduler
 from services.repository import ModelEntry
 
 
@@ -13,17 +15,17 @@ def test_hedge_delay_tracks_the_p95_without_recomputing_it_per_batch() -> None:
     async def scenario() -> list[float]:
         entry = ModelEntry(name="m", task="embed", checkpoint="", buckets=[16, 32])
         config = SchedulerConfig(hedge_p95=True, hedge_delay_s=0.05)
-        scheduler = ModelScheduler(entry, EnginePool([]), config)
-        seen = [scheduler._hedge_delay(0)]  # too few latencies: the floor
+        dispatcher = ModelScheduler(entry, EnginePool([]), config).dispatcher
+        seen = [dispatcher.hedge_delay(0)]  # too few latencies: the floor
         for _ in range(20):
-            scheduler.record_latency(0, 0.2)
-        seen.append(scheduler._hedge_delay(0))  # p95 of 0.2 s batches
+            dispatcher.record_latency(0, 0.2)
+        seen.append(dispatcher.hedge_delay(0))  # p95 of 0.2 s batches
         for _ in range(P95_EVERY - 1):
-            scheduler.record_latency(0, 1.0)
-        seen.append(scheduler._hedge_delay(0))  # not recomputed yet
-        scheduler.record_latency(0, 1.0)
-        seen.append(scheduler._hedge_delay(0))  # now it is
-        seen.append(scheduler._hedge_delay(1))  # another bucket: its own
+            dispatcher.record_latency(0, 1.0)
+        seen.append(dispatcher.hedge_delay(0))  # not recomputed yet
+        dispatcher.record_latency(0, 1.0)
+        seen.append(dispatcher.hedge_delay(0))  # now it is
+        seen.append(dispatcher.hedge_delay(1))  # another bucket: its own
         return seen
 
     floor, first, cached, fresh, other = asyncio.run(scenario())

@@ -2,15 +2,15 @@
 
 The gateway never sends one, but another client of the internal API (or a
 bug) may. A real batcher on loopback (BatcherService over a real scheduler
-whose engine is a loopback servicer, tests/batcher/test_stuck_engine.py)
+whose engine is a loopback servicer, tests/batcher/loopback.py)
 gets hand-built entries: each one malformed is answered for its ids alone,
 INVALID_ARGUMENT (NOT_FOUND for a model it does not serve) with a message
 naming the field and its value, while a well-formed entry in the same
 message and another sent after it on the same stream are answered as usual.
-Before, token or offset bytes that are no whole number of int32 raised in
-the stream's reader (ending the stream and everything on it), offsets that
-did not start at 0 or end at the last token were scheduled as if they did,
-and an id twice was answered twice.
+Unchecked, token or offset bytes that are no whole number of int32 would
+raise in the stream's reader (ending the stream and everything on it),
+offsets that do not start at 0 or end at the last token would be scheduled
+as if they did, and an id twice would be answered twice.
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ import grpc
 import numpy as np
 import pytest
 
-from batcher.scheduler import SchedulerConfig
+from batcher.local import LocalBatcher
+from batcher.options import SchedulerConfig
 from batcher.service import BatcherService
 from services.proto.berth.v1 import internal_pb2, internal_pb2_grpc
-from tests.batcher.test_stuck_engine import (
+from tests.batcher.loopback import (
     ENTRY,
     WIDTH,
     SleepyEngine,
@@ -132,7 +133,7 @@ async def serve(
     engine = SleepyEngine(delay_s)
     config = SchedulerConfig(max_delay_s=0.001)
     scheduler, pool, engines = await started([engine], 2, config)
-    service = BatcherService({ENTRY.name: scheduler})
+    service = BatcherService(LocalBatcher(pool, {ENTRY.name: scheduler}))
     server = grpc.aio.server()
     internal_pb2_grpc.add_BatcherServicer_to_server(service, server)
     address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
@@ -252,7 +253,7 @@ def test_an_error_queuing_an_entry_fails_its_ids_alone() -> None:
     answered INTERNAL for that entry's ids; the stream carries on."""
 
     def prepare(service: BatcherService) -> None:
-        scheduler = service.schedulers[ENTRY.name]
+        scheduler = service.batcher.schedulers[ENTRY.name]
         submit = scheduler.submit
 
         def buggy(

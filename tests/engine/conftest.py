@@ -9,7 +9,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from engine.torch_backend import TorchBackend
-from services.default_models import build_default_repository, minilm_checkpoint
+from services.cli.default_models import build_default_repository, minilm_checkpoint
 from services.repository import ModelEntry, load_repository
 
 

@@ -19,7 +19,10 @@ from tokenizers import Tokenizer
 
 from engine.backend import BackendError, create_backend
 from engine.torch_backend import TorchBackend
-from services.default_models import build_default_repository, intent_models_dir
+from services.cli.default_models import (
+    build_default_repository,
+    intent_models_dir,
+)
 from services.repository import ModelEntry, load_repository
 
 _PARAGRAPH = (

@@ -16,19 +16,21 @@ them under the interpreter are expected.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
 from engine.cuda.forward import FusedForward
 from engine.cuda.graphs import PACK_MIN_TOKENS, packed_tokens, token_ladder
 from engine.cuda.kernels import (
-    PRELOAD_LINEAR,
-    LinearConfig,
     add_layer_norm_partials,
     attention,
     mean_pool,
     small_linear_plan,
 )
+from engine.cuda.tiles import PRELOAD_LINEAR, LinearConfig
 from engine.torch_backend import TorchBackend
 
 PROJECTIONS = ("qkv", "out", "ffn_in", "ffn_out")
@@ -238,9 +240,9 @@ def test_mean_pool_writes_into_the_buffer_it_is_given() -> None:
 
 
 def test_tuned_products_are_none_off_the_gpu(backend: TorchBackend) -> None:
-    """cuBLASLt's timed products (engine/cublaslt.HalfGemm) are made only for
+    """cuBLASLt's timed products (engine/cuda/products.HalfGemm) are made only for
     weights on a GPU: on the CPU every layer keeps torch's, on or off."""
-    from engine.cuda.cublaslt import half_gemm
+    from engine.cuda.products import half_gemm
 
     served = backend.model("minilm")
     for tuned in (True, False):
@@ -248,3 +250,30 @@ def test_tuned_products_are_none_off_the_gpu(backend: TorchBackend) -> None:
         assert forward.half == [None] * len(forward.layers)
     assert half_gemm(served.encoder.layers[0].ffn_in) is None
     assert half_gemm(torch.nn.LayerNorm(8)) is None  # no nn.Linear
+
+
+def test_the_tile_tables_load_checked_and_a_bad_file_is_refused(
+    tmp_path: Path,
+) -> None:
+    """engine/cuda/tuning/sm_90.json is the Hopper tables; a device kind with
+    no file has none (cuBLAS everywhere); a file with a bad entry stops the
+    engine naming the file and the entry."""
+    from engine.cuda import tiles
+
+    hopper = tiles.tables_for((9, 0))
+    assert hopper is tiles.tables_for((9, 0))  # one object: a search edits it
+    assert hopper.preload is PRELOAD_LINEAR
+    assert set(PRELOAD_LINEAR) == {(p, h) for p in PROJECTIONS for h in (384, 768)}
+    assert all(config.preload for rows in PRELOAD_LINEAR.values() for _, config in rows)
+    assert not any(c.preload for rows in hopper.small.values() for _, c in rows)
+    assert tiles.tables_for((8, 0)) == tiles.TileTables({}, {})
+    good = json.loads((tiles.TUNING / "sm_90.json").read_text())
+    bad = dict(good, small_linear={"qkv/768": [{"up_to_tokens": 16, "block_m": 24}]})
+    path = tmp_path / "sm_99.json"
+    path.write_text(json.dumps(bad))
+    with pytest.raises(tiles.TuningError, match=r"sm_99.json: 'qkv/768' up to 16"):
+        tiles.load(path)
+    rising = [{"up_to_tokens": n, "block_m": 16} for n in (32, 16)]
+    path.write_text(json.dumps(dict(good, preload_linear={"out/384": rising})))
+    with pytest.raises(tiles.TuningError, match="token counts must rise"):
+        tiles.load(path)

@@ -9,7 +9,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from gateway.tokenize import Limits, TextEncoder
-from services.default_models import minilm_checkpoint
+from services.cli.default_models import minilm_checkpoint
 from services.errors import InvalidInput
 from services.repository import ModelEntry
 

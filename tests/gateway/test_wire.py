@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from gateway.batcher_client import merge_messages
-from gateway.service import embeddings_wire
+from gateway.berth import embeddings_wire
 from services.proto.berth.v1 import berth_pb2, internal_pb2
 
 

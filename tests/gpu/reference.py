@@ -174,7 +174,7 @@ def compute_references(entries: dict[str, ModelEntry]) -> tuple[np.ndarray, ...]
 
 def build_fixtures(root: Path) -> Fixtures:
     """From the installed default-model packages, references computed here."""
-    from services.default_models import build_default_repository
+    from services.cli.default_models import build_default_repository
 
     build_default_repository(root)
     entries = load_repository(root)

@@ -395,13 +395,8 @@ def test_preloading_linear_matches_torch() -> None:
     dependent."""
     import torch.nn.functional as F
 
-    from engine.cuda.kernels import (
-        ACT_GELU_TANH,
-        ACT_NONE,
-        PRELOAD_LINEAR,
-        linear,
-        pdl_available,
-    )
+    from engine.cuda.kernels import ACT_GELU_TANH, ACT_NONE, linear, pdl_available
+    from engine.cuda.tiles import PRELOAD_LINEAR
 
     g = torch.Generator(device="cuda").manual_seed(1)
     inner = {768: 3072, 384: 1536}
@@ -633,7 +628,7 @@ def test_preloading_gemms_replay_alike_and_match_the_other_plan(
     refs: Fixtures,
 ) -> None:
     """PRELOAD_LINEAR's GEMMs read their weights before waiting for the
-    previous kernel (engine/cuda/kernels.py). Forced on every shape that has the
+    previous kernel (engine/cuda/kernels/). Forced on every shape that has the
     plan: replays equal each other bit for bit (a race would not) and equal
     the SMALL_LINEAR plan's forward to fp16 rounding; 64 x 128 is past the
     table (a control)."""
@@ -712,14 +707,14 @@ def test_cublaslt_epilogue_equals_product_then_pass(epilogue: str) -> None:
     _scaled_mm then berth's activation pass compute, saturating, and reads
     its scales at each run (a graph replays with new ones)."""
     from engine import quant
-    from engine.cuda import cublaslt, kernels
+    from engine.cuda import kernels, products
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(768, 3072, device="cuda")
     x = torch.randn(4096, 768, device="cuda")
     fp8 = quant.Fp8Linear(linear, float(x.abs().max()))
     out_inv = torch.tensor(400.0, device="cuda")  # the largest saturate
-    gemm = cublaslt.fp8_epilogue_gemm(fp8, out_inv, epilogue)
+    gemm = products.fp8_epilogue_gemm(fp8, out_inv, epilogue)
     assert gemm is not None
     act = kernels.ACT_GELU_TANH if epilogue == "gelu_tanh" else kernels.ACT_RELU
     x8 = kernels.quantize_e4m3(x.half(), fp8.input_inv_scale)
@@ -744,13 +739,13 @@ def test_cublaslt_plain_product_equals_scaled_mm() -> None:
     algorithm: what torch._scaled_mm computes (fp16 out, bias added), at
     token counts small and large, and in a graph."""
     from engine import quant
-    from engine.cuda import cublaslt, kernels
+    from engine.cuda import kernels, products
 
     torch.manual_seed(1)
     linear = torch.nn.Linear(3072, 768, device="cuda")
     x = torch.randn(4096, 3072, device="cuda")
     fp8 = quant.Fp8Linear(linear, float(x.abs().max()))
-    gemm = cublaslt.fp8_epilogue_gemm(fp8)
+    gemm = products.fp8_epilogue_gemm(fp8)
     assert gemm is not None and gemm.out_dtype == torch.float16
     x8 = kernels.quantize_e4m3(x.half(), fp8.input_inv_scale)
     for rows in (4096, 128, 7):
@@ -773,14 +768,14 @@ def test_cublaslt_products_release_their_descriptors() -> None:
     token counts, and products made and dropped by the hundred leave
     cuBLASLt working."""
     from engine import quant
-    from engine.cuda import cublaslt, kernels
+    from engine.cuda import cublaslt, kernels, products
 
     torch.manual_seed(2)
     linear = torch.nn.Linear(768, 768, device="cuda")
     x = torch.randn(256, 768, device="cuda")
     fp8 = quant.Fp8Linear(linear, float(x.abs().max()))
     x8 = kernels.quantize_e4m3(x.half(), fp8.input_inv_scale)
-    gemm = cublaslt.fp8_epilogue_gemm(fp8)
+    gemm = products.fp8_epilogue_gemm(fp8)
     assert gemm is not None
     first = gemm(x8).clone()
     gemm(x8[:7])
@@ -797,9 +792,9 @@ def test_cublaslt_products_release_their_descriptors() -> None:
     with pytest.raises(cublaslt.CublasLtError, match="closed"):
         gemm(x8[:5])
     for _ in range(200):
-        assert cublaslt.fp8_epilogue_gemm(fp8) is not None  # dropped: __del__
+        assert products.fp8_epilogue_gemm(fp8) is not None  # dropped: __del__
     gc.collect()
-    again = cublaslt.fp8_epilogue_gemm(fp8)
+    again = products.fp8_epilogue_gemm(fp8)
     assert again is not None
     torch.testing.assert_close(again(x8), first)
 
@@ -843,17 +838,17 @@ def test_half_gemms_equal_torchs_products(dtype: torch.dtype) -> None:
     torch's products: bias, bias + GELU (tanh form) or ReLU, and the residual
     added in place (beta 1), at token counts large and small, and in a graph
     that reads its input's current rows."""
-    from engine.cuda import cublaslt
+    from engine.cuda import cublaslt, products
 
     torch.manual_seed(3)
     up = torch.nn.Linear(768, 3072, device="cuda", dtype=dtype)
     down = torch.nn.Linear(3072, 768, device="cuda", dtype=dtype)
     x = torch.randn(4096, 768, device="cuda", dtype=dtype)
     inner = torch.randn(4096, 3072, device="cuda", dtype=dtype) / 8
-    plain = cublaslt.half_gemm(up)
-    gelu = cublaslt.half_gemm(up, cublaslt.EPILOGUE_GELU_BIAS)
-    relu = cublaslt.half_gemm(up, cublaslt.EPILOGUE_RELU_BIAS)
-    adds = cublaslt.half_gemm(down, cublaslt.EPILOGUE_DEFAULT, accumulate=True)
+    plain = products.half_gemm(up)
+    gelu = products.half_gemm(up, cublaslt.EPILOGUE_GELU_BIAS)
+    relu = products.half_gemm(up, cublaslt.EPILOGUE_RELU_BIAS)
+    adds = products.half_gemm(down, cublaslt.EPILOGUE_DEFAULT, accumulate=True)
     assert None not in (plain, gelu, relu, adds)
     assert plain and gelu and relu and adds  # for mypy
     # another algorithm may sum in another order: rounding apart
@@ -891,7 +886,7 @@ def test_tuned_products_serve_what_torchs_do(refs: Fixtures) -> None:
     (the default) equals the one through torch where it takes them (at
     HALF_TUNED_MIN_TOKENS and more), eager and in graphs, and is the same
     forward below that."""
-    from engine.cuda.forward import HALF_TUNED_MIN_TOKENS
+    from engine.cuda.layer_products import HALF_TUNED_MIN_TOKENS
 
     entry = refs.entries["intent"]
     cuda = CudaBackend("cuda:0")
@@ -944,14 +939,14 @@ def test_bf16_layers_add_the_residual_in_float32(refs: Fixtures) -> None:
 
 @pytest.mark.parametrize("act", [0, 1, 2, 3])
 def test_e4m3_kernels_equal_torchs_conversion(act: int) -> None:
-    """engine/kernels' e4m3 writers round and saturate as torch's cast does,
+    """engine/cuda/kernels' e4m3 writers round and saturate as torch's cast does,
     and read their scale from the device at each run (a graph sees a new one)."""
     from engine.cuda import kernels
 
     gen = torch.Generator(device="cuda").manual_seed(3)
     x = torch.randn(300, 768, device="cuda", generator=gen, dtype=torch.float16) * 8
     inv = torch.tensor(30.0, device="cuda")
-    want = kernels.to_e4m3(kernels._activate_reference(x.float(), act), inv)
+    want = kernels.to_e4m3(kernels.activate_reference(x.float(), act), inv)
     got = kernels.quantize_e4m3(x, inv, act)
     if act in (1, 2):  # GELU's float32 arithmetic differs from torch's by ulps:
         # a value at an e4m3 tie may round to the other neighbour
@@ -970,7 +965,7 @@ def test_e4m3_kernels_equal_torchs_conversion(act: int) -> None:
         replayed = kernels.quantize_e4m3(x, inv, act)
     inv.fill_(2.0)
     graph.replay()
-    again = kernels.to_e4m3(kernels._activate_reference(x.float(), act), inv)
+    again = kernels.to_e4m3(kernels.activate_reference(x.float(), act), inv)
     close = (replayed.float() - again.float()).abs() <= again.float().abs() / 8 + 2**-9
     assert close.all() and (replayed.float() == again.float()).float().mean() > 0.99
     torch.testing.assert_close(out, kernels.add_layer_norm(x, r, w, b, 1e-12))

@@ -1,0 +1,1 @@
+"""Tests of the `berth` command (services/cli/)."""
