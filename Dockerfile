@@ -13,6 +13,6 @@ COPY batcher batcher
 COPY engine engine
 COPY gateway gateway
 RUN pip install --no-cache-dir . && berth build-models --model-repository /models
-ENV BERTH_MODEL_REPOSITORY=/models BERTH_HOST=0.0.0.0 PYTHONUNBUFFERED=1
+ENV BERTH_MODEL_REPOSITORY=/models BERTH_HOST=0.0.0.0 BERTH_METRICS_HOST=0.0.0.0 PYTHONUNBUFFERED=1
 EXPOSE 50051 50060 50070
 CMD ["python", "-m", "gateway"]

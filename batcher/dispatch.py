@@ -5,6 +5,11 @@ the other attempt is called off), one whose engine fails is re-sent to
 another, and each outcome feeds the model's circuit breaker, the engines'
 health and the adaptive batch sizes. Results are split per sequence and
 handed to the sequences' waiters.
+
+A batch an engine refuses as invalid (INVALID_ARGUMENT: a bad token id the
+batcher could not see, a shape the engine does not take) blames no engine
+and no circuit: it is split in halves, and each half run again, until the
+sequences at fault fail alone and the others are answered.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import logging
 import time
 from collections import deque
 
+import grpc
 import numpy as np
 from opentelemetry import trace
 from opentelemetry.trace import INVALID_SPAN, Link
@@ -25,7 +31,7 @@ from batcher.engines import EngineClient, EnginePool
 from batcher.options import SchedulerConfig
 from batcher.resilience import CircuitBreaker, HedgeBudget
 from batcher.sequences import Waiter, error_result
-from services.errors import BerthError, EngineFailure, Unavailable
+from services.errors import BerthError, EngineFailure, InvalidInput, Unavailable
 from services.proto.berth.v1 import internal_pb2
 from services.telemetry import Span, inject, record_error, recording, tracer
 
@@ -33,6 +39,7 @@ log = logging.getLogger("berth.batcher")
 TRACER = tracer("batcher")
 
 P95_EVERY = 16  # batch latencies between recomputations of a bucket's p95
+INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 
 
 class Dispatcher:
@@ -126,6 +133,7 @@ class Dispatcher:
         span: Span,
     ) -> None:
         started = time.monotonic()
+        refused: InvalidInput | None = None
         try:
             result = await self._execute(engine, message, bucket)
             # An answer of the wrong size fails here, its callers answered.
@@ -133,6 +141,10 @@ class Dispatcher:
                 len(keys), result.width
             )
             self.breaker.record_success()
+        except InvalidInput as exc:  # the input's fault: split, nobody blamed
+            refused = exc
+            record_error(span, exc)
+            self.breaker.record_no_verdict()
         except Exception as exc:
             if not isinstance(exc, BerthError):  # a bug: answered, never dropped
                 log.exception("batch %d of %s failed", message.id, self.name)
@@ -147,6 +159,9 @@ class Dispatcher:
             return
         finally:
             span.end()
+        if refused is not None:
+            await self._split(message, keys, bucket, refused)
+            return
         latency = time.monotonic() - started
         self.record_latency(bucket, latency)
         metrics.BATCH_LATENCY.labels(self.name, message.length).observe(latency)
@@ -170,6 +185,74 @@ class Dispatcher:
                 )
             )
         metrics.SEQUENCES.labels(self.name, "ok").inc(answered)
+
+    async def _split(
+        self,
+        message: internal_pb2.Batch,
+        keys: list[int],
+        bucket: int,
+        refused: InvalidInput,
+    ) -> None:
+        """A batch the engine refused as invalid: a lone sequence fails with
+        the engine's reason; a larger batch runs again as two halves (each
+        split again if refused), so that only the sequences at fault fail."""
+        if len(keys) == 1:
+            waiter = self.waiters.pop(keys[0], None)
+            if waiter is not None:
+                metrics.SEQUENCES.labels(self.name, "invalid").inc()
+                waiter.deliver(
+                    error_result(
+                        waiter.reply_id, grpc.StatusCode.INVALID_ARGUMENT, str(refused)
+                    )
+                )
+            return
+        row = 4 * message.length  # bytes of one row's ids
+        half = len(keys) // 2
+        parts = []
+        for lo, hi in ((0, half), (half, len(keys))):
+            if not any(key in self.waiters for key in keys[lo:hi]):
+                continue  # all cancelled meanwhile
+            part = internal_pb2.Batch(
+                id=self.pool.next_batch_id(),
+                model=message.model,
+                batch_size=hi - lo,
+                length=message.length,
+                token_ids=message.token_ids[lo * row : hi * row],
+                lengths=message.lengths[4 * lo : 4 * hi],
+                trace_context=message.trace_context,
+            )
+            parts.append(self._run_part(part, keys[lo:hi], bucket))
+        log.info(
+            "batch %d of %s (%d sequences) refused as invalid, run again in halves: %s",
+            message.id,
+            self.name,
+            len(keys),
+            refused,
+        )
+        await asyncio.gather(*parts)
+
+    async def _run_part(
+        self, message: internal_pb2.Batch, keys: list[int], bucket: int
+    ) -> None:
+        """Run part of a refused batch on any engine, counted in its slots."""
+        engine = self.pool.pick(self.name, any_slot=True)
+        if engine is None:
+            reason = f"no engine is serving model {self.name!r}"
+            for key in keys:
+                waiter = self.waiters.pop(key, None)
+                if waiter is not None:
+                    metrics.SEQUENCES.labels(self.name, "unavailable").inc()
+                    waiter.deliver(
+                        error_result(
+                            waiter.reply_id, grpc.StatusCode.UNAVAILABLE, reason
+                        )
+                    )
+            return
+        engine.take_slot()
+        try:
+            await self._run(engine, message, keys, bucket, INVALID_SPAN)
+        finally:
+            self._slot_freed(engine)
 
     async def _execute(
         self, engine: EngineClient, message: internal_pb2.Batch, bucket: int
@@ -295,6 +378,8 @@ class Dispatcher:
         except Unavailable as exc:
             engine.record_failure(str(exc))
             raise
+        if result.code == INVALID_ARGUMENT:  # the batch's fault, not the engine's
+            raise InvalidInput(f"engine {engine.address}: {result.message}")
         if result.code != 0:
             engine.record_failure(result.message)
             raise EngineFailure(f"engine {engine.address}: {result.message}")

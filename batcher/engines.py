@@ -33,6 +33,9 @@ class EngineClient(
     def __init__(self, address: str, on_change: Callable[[], None]) -> None:
         super().__init__(address)
         self.models: set[str] = set()
+        # Per model, as its Info told: (vocabulary size, max tokens), each 0
+        # when not told (an engine of an older version).
+        self.limits: dict[str, tuple[int, int]] = {}
         self.device = ""
         self.in_flight = 0  # batches assigned to it and not yet settled
         # Ejection: an engine that fails or stalls sits out a growing back-off
@@ -172,6 +175,7 @@ class EngineClient(
                 told = True
             await asyncio.sleep(LOADING_POLL_S)
         self.models = {m.name for m in info.models}
+        self.limits = {m.name: (m.vocab_size, m.max_tokens) for m in info.models}
         self.device = f"{info.device} ({info.backend})"
 
     def _open(self, requests: AsyncIterator[internal_pb2.EngineRequest]) -> Any:
@@ -238,6 +242,19 @@ class EnginePool:
     def serving(self, model: str) -> list[EngineClient]:
         """Connected engines that have the model (ejected ones included)."""
         return [e for e in self.engines if e.healthy and model in e.models]
+
+    def limits(self, model: str) -> tuple[int, int]:
+        """The model's vocabulary size and max tokens as its connected
+        engines told them (the smallest where they differ); 0 for either
+        when none told it."""
+        vocab = max_tokens = 0
+        for engine in self.serving(model):
+            told_vocab, told_max = engine.limits.get(model, (0, 0))
+            if told_vocab and (not vocab or told_vocab < vocab):
+                vocab = told_vocab
+            if told_max and (not max_tokens or told_max < max_tokens):
+                max_tokens = told_max
+        return vocab, max_tokens
 
     def available(self, model: str) -> list[EngineClient]:
         """Engines taking batches: not ejected, unless every one is.

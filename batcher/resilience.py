@@ -113,6 +113,12 @@ class CircuitBreaker:
         self.failures = 0
         self._set(BreakerState.CLOSED, "a batch succeeded")
 
+    def record_no_verdict(self) -> None:
+        """A batch ended telling nothing of the engines (they refused its
+        input as invalid): while half-open, its probe is given back."""
+        if self.state is BreakerState.HALF_OPEN:
+            self._probes_left = min(self.probes, self._probes_left + 1)
+
     def record_failure(self, reason: str) -> None:
         self.failures += 1
         if self.state is BreakerState.HALF_OPEN or self.failures >= self.threshold:

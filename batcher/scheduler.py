@@ -26,7 +26,14 @@ from batcher.dispatch import Dispatcher
 from batcher.engines import EnginePool
 from batcher.options import SchedulerConfig
 from batcher.resilience import BreakerState, CircuitBreaker
-from batcher.sequences import Deliver, Waiter, error_result, malformed
+from batcher.sequences import (
+    Deliver,
+    Waiter,
+    error_result,
+    malformed,
+    outside_vocabulary,
+    without,
+)
 from services.proto.berth.v1 import internal_pb2
 from services.repository import ModelEntry
 from services.telemetry import Span, extract, recording, tracer
@@ -99,17 +106,13 @@ class ModelScheduler:
 
         Returns (sequence id, key) pairs for cancel; refused texts are
         answered at once through ``deliver``, a malformed entry's
-        INVALID_ARGUMENT (:func:`malformed`) before anything else.
+        INVALID_ARGUMENT (:func:`malformed`) before anything else, then
+        each sequence the model cannot take (:meth:`_valid`) alone.
         """
-        problem = malformed(group, self.max_tokens)
-        if problem is not None:
-            message = f"malformed Sequences for model {self.name!r}: {problem}"
-            if not group.ids:  # nobody to answer: at least say so here
-                log.warning("%s (ignored)", message)
-            self._refuse(
-                group, deliver, grpc.StatusCode.INVALID_ARGUMENT, "invalid", message
-            )
+        checked = self._valid(group, deliver)
+        if checked is None:
             return []
+        group = checked
         now = time.monotonic()
         refusal = self._refusal()
         if refusal is not None:
@@ -159,6 +162,39 @@ class ModelScheduler:
         metrics.QUEUE_DEPTH.labels(self.name).set(len(self.core))
         self._wake.set()
         return list(zip(group.ids, keys, strict=True))
+
+    def _valid(
+        self, group: internal_pb2.Sequences, deliver: Deliver
+    ) -> internal_pb2.Sequences | None:
+        """``group`` less what the model cannot take, or None when nothing is
+        left. A malformed entry is refused whole; a sequence with a token id
+        outside the vocabulary the engines told (:meth:`EnginePool.limits`)
+        alone, the others of its entry queued: never sent, it can fail no
+        batch and count against no engine. Sequences longer than the model's
+        max tokens (the lower of the repository's and the engines') are a
+        malformed entry."""
+        vocab, told_max = self.pool.limits(self.name)
+        max_tokens = min(self.max_tokens, told_max) if told_max else self.max_tokens
+        problem = malformed(group, max_tokens)
+        if problem is not None:
+            message = f"malformed Sequences for model {self.name!r}: {problem}"
+            if not group.ids:  # nobody to answer: at least say so here
+                log.warning("%s (ignored)", message)
+            self._refuse(
+                group, deliver, grpc.StatusCode.INVALID_ARGUMENT, "invalid", message
+            )
+            return None
+        outside = outside_vocabulary(group, vocab) if vocab else {}
+        if not outside:
+            return group
+        metrics.SEQUENCES.labels(self.name, "invalid").inc(len(outside))
+        for index, why in outside.items():
+            message = f"invalid sequence for model {self.name!r}: {why}"
+            code = grpc.StatusCode.INVALID_ARGUMENT
+            deliver(error_result(group.ids[index], code, message))
+        if len(outside) == len(group.ids):
+            return None
+        return without(group, outside)
 
     def _refuse(
         self,

@@ -65,7 +65,7 @@ async def main(args: argparse.Namespace) -> None:
     # One backend for every model (the usual case): use it directly, so its
     # fast paths (the CUDA backend's pipelined submit/collect) stay visible.
     backend: Backend = router.backends[chosen.pop()] if len(chosen) == 1 else router
-    service = EngineService(backend, models)
+    service = EngineService(backend, models, args.max_batch, args.token_budget)
     internal_pb2_grpc.add_EngineServicer_to_server(service, server.server)
     await server.start()
     if args.chaos:

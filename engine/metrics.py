@@ -9,7 +9,7 @@ from services.metrics import LATENCY_BUCKETS, Memo
 BATCHES = Memo(
     Counter(
         "berth_engine_batches_total",
-        "Batches computed, by outcome",
+        "Batches by outcome: ok, failed, invalid (refused unrun)",
         ["model", "outcome"],
     )
 )

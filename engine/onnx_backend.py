@@ -22,6 +22,7 @@ from engine.backend import BackendError, loaded, warm_up_eagerly
 from engine.build.onnx_export import OUTPUT_NAME, cache_dir, export_entry
 from engine.encoder import read_config
 from engine.torch_backend import check_batch, default_threads
+from engine.validate import BadBatch, check_ids
 from services.repository import ModelEntry
 
 log = logging.getLogger("berth.engine")
@@ -163,15 +164,11 @@ class OnnxRuntimeBackend:
         # id from the end of the embedding table, and fail a length over the
         # position table with a broadcasting error.
         if token_ids.shape[1] > loaded.max_length:
-            raise ValueError(
+            raise BadBatch(
                 f"sequence length {token_ids.shape[1]} is over the model's "
                 f"{loaded.max_length} positions"
             )
-        if token_ids.size and (token_ids.min() < 0 or token_ids.max() >= loaded.vocab):
-            raise ValueError(
-                f"token ids must lie in [0, {loaded.vocab}), got {token_ids.min()} "
-                f"to {token_ids.max()}"
-            )
+        check_ids(token_ids, loaded.vocab)
         if lengths.size:
             # As the torch CPU backend: compute up to the longest row, not the
             # bucket's padded length (the graph's length axis is dynamic; at

@@ -24,6 +24,14 @@ from opentelemetry.trace import INVALID_SPAN
 from engine import metrics
 from engine.backend import Backend
 from engine.gpu_stats import open_gpu_stats
+from engine.validate import (
+    WIRE_INT32,
+    BadBatch,
+    check_ids,
+    check_lengths,
+    check_shape,
+    model_limits,
+)
 from services.errors import ENGINE_LOADING
 from services.proto.berth.v1 import internal_pb2, internal_pb2_grpc
 from services.repository import ModelEntry
@@ -76,6 +84,9 @@ class Caller:
 
 Work = tuple[internal_pb2.Batch, Caller]
 
+INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
+
 # Largest lone batch (rows x length) run on the event loop's thread: BERT-base
 # computes 1,024 tokens in 0.6-0.7 ms on the H200, one 128-token text in 0.38
 # (benchmarks/results/engine_h200.json, graph times).
@@ -85,9 +96,21 @@ ON_LOOP_MAX_TOKENS = 1024
 class EngineService(internal_pb2_grpc.EngineServicer):
     """Runs padded batches from the batcher through the backend."""
 
-    def __init__(self, backend: Backend, models: dict[str, ModelEntry]) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        models: dict[str, ModelEntry],
+        max_batch: int = 256,
+        token_budget: int = 16384,
+    ) -> None:
+        """``max_batch`` and ``token_budget``: the batcher's limits (the
+        engine's --max-batch and --token-budget); larger batches are refused."""
         self.backend = backend
         self.models = models
+        self.limits = {name: model_limits(entry) for name, entry in models.items()}
+        self.max_batch = max_batch
+        self.token_budget = token_budget
+        self.refused = 0  # batches refused as invalid (not failures)
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="compute")
         self.batches = 0
         self.failures = 0
@@ -107,7 +130,11 @@ class EngineService(internal_pb2_grpc.EngineServicer):
         return internal_pb2.EngineInfo(
             models=[
                 internal_pb2.EngineModel(
-                    name=name, task=entry.task, width=self.backend.width(name)
+                    name=name,
+                    task=entry.task,
+                    width=self.backend.width(name),
+                    vocab_size=self.limits[name].vocab_size,
+                    max_tokens=self.limits[name].max_tokens,
                 )
                 for name, entry in self.models.items()
             ],
@@ -132,6 +159,10 @@ class EngineService(internal_pb2_grpc.EngineServicer):
                 async for request in request_iterator:
                     if request.HasField("batch"):
                         sent += 1
+                        refusal = self.refusal(request.batch)
+                        if refusal is not None:  # answered now, never computed
+                            caller.answer(refusal)
+                            continue
                         caller.queued.add(request.batch.id)
                         work.put_nowait((request.batch, caller))
                     else:
@@ -222,6 +253,51 @@ class EngineService(internal_pb2_grpc.EngineServicer):
             if item is not None and started_next is not None:
                 in_flight = (started_next, item[1])
 
+    def refusal(self, batch: internal_pb2.Batch) -> internal_pb2.BatchResult | None:
+        """The answer of a batch the engine will not compute, checked as it
+        arrives (before it queues behind other work): a model it does not
+        serve, or a batch engine/validate.py refuses. None for a good one.
+        The token ids are checked here unless the backend checks them itself
+        as it queues the batch (the CUDA one: engine/cuda/runner.py)."""
+        limits = self.limits.get(batch.model)
+        if limits is None:
+            return self._refused(
+                batch,
+                NOT_FOUND,
+                f"engine does not serve model {batch.model!r} "
+                f"(it serves {', '.join(sorted(self.models))})",
+            )
+        try:
+            check_shape(
+                batch.batch_size,
+                batch.length,
+                len(batch.token_ids),
+                len(batch.lengths),
+                limits,
+                self.max_batch,
+                self.token_budget,
+            )
+            check_lengths(np.frombuffer(batch.lengths, WIRE_INT32), batch.length)
+            if not self._queues_work():
+                ids = np.frombuffer(batch.token_ids, WIRE_INT32)
+                check_ids(
+                    ids.reshape(batch.batch_size, batch.length), limits.vocab_size
+                )
+        except BadBatch as exc:
+            return self._refused(batch, INVALID_ARGUMENT, str(exc))
+        return None
+
+    def _refused(
+        self, batch: internal_pb2.Batch, code: int, why: str
+    ) -> internal_pb2.BatchResult:
+        """A batch answered as the sender's fault: counted, not a failure."""
+        self.refused += 1
+        metrics.BATCHES.labels(batch.model, "invalid").inc()
+        log.warning("batch %d of %r refused: %s", batch.id, batch.model, why)
+        return internal_pb2.BatchResult(
+            id=batch.id, code=code, message=f"invalid batch of {batch.model}: {why}"
+        )
+
     def _on_loop(self, batch: internal_pb2.Batch) -> bool:
         """Whether a lone batch runs on the event loop's own thread: a small
         one on a backend that queues work on a GPU stream (its host part is
@@ -307,8 +383,10 @@ class EngineService(internal_pb2_grpc.EngineServicer):
     def _failed(
         self, batch: internal_pb2.Batch, span: Span, exc: Exception
     ) -> internal_pb2.BatchResult:
-        self.failures += 1
         record_error(span, exc)
+        if isinstance(exc, BadBatch):  # found by the backend's own checks
+            return self._refused(batch, INVALID_ARGUMENT, str(exc))
+        self.failures += 1
         metrics.BATCHES.labels(batch.model, "failed").inc()
         log.exception("batch %d of %s failed", batch.id, batch.model, exc_info=exc)
         return internal_pb2.BatchResult(

@@ -54,6 +54,7 @@ from engine.build.tensorrt import (
 from engine.cuda.graphs import capturing
 from engine.cuda.pinned import Slot, SlotRing
 from engine.torch_backend import check_batch, resolve_device
+from services import files
 from services.repository import ModelEntry
 
 log = logging.getLogger("berth.engine")
@@ -291,7 +292,7 @@ class TensorRTBackend:
             calibration_digest(batches) if batches else "",
         )
         path = engine_path(self.cache, entry.name, precision, key)
-        if path.is_file():
+        if files.verified(path, "TensorRT engine"):
             log.info("TensorRT engine for %s found in cache: %s", entry.name, path)
             return path.read_bytes()
         calibrator = None

@@ -15,6 +15,7 @@ import torch
 from engine import settings as engine_settings
 from engine.backend import loaded, warm_up_eagerly
 from engine.model import ServedModel, load_served_model
+from engine.validate import BadBatch, check_ids
 from services.repository import ModelEntry
 
 log = logging.getLogger("berth.engine")
@@ -88,6 +89,7 @@ class TorchBackend:
     def run(self, model: str, token_ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         served = self.model(model)
         check_batch(token_ids, lengths)
+        check_ids(token_ids, served.encoder.config.vocab_size)
         if self.torch_device.type == "cpu" and lengths.size:
             # Eager CPU has no fixed shapes to keep: compute only up to the
             # longest row, not the bucket's padded length.
@@ -125,17 +127,18 @@ class TorchBackend:
 
 
 def check_batch(token_ids: np.ndarray, lengths: np.ndarray) -> None:
-    """Shapes, dtypes and lengths of one batch: cheap (never the token ids)."""
+    """Shapes, dtypes and lengths of one batch: cheap (never the token ids);
+    BadBatch (a ValueError) names what is wrong."""
     if token_ids.ndim != 2 or lengths.shape != token_ids.shape[:1]:
-        raise ValueError(
+        raise BadBatch(
             f"need token_ids [B, L] and lengths [B], got {token_ids.shape} and "
             f"{lengths.shape}"
         )
     for what, array in (("token_ids", token_ids), ("lengths", lengths)):
         if array.dtype not in (np.int32, np.int64):
-            raise ValueError(f"{what} must be int32 (or int64), got {array.dtype}")
+            raise BadBatch(f"{what} must be int32 (or int64), got {array.dtype}")
     if lengths.size and (lengths.min() < 0 or lengths.max() > token_ids.shape[1]):
-        raise ValueError(
+        raise BadBatch(
             f"lengths must lie in [0, {token_ids.shape[1]}], got {lengths.min()} "
             f"to {lengths.max()}"
         )

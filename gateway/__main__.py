@@ -10,11 +10,13 @@ from batcher import add_scheduler_flags, scheduler_config
 from gateway.batcher_client import BatcherClient, Batching
 from gateway.berth import Berth
 from gateway.cache import ResponseCache
+from gateway.calls import STREAM_WINDOW
 from gateway.inline import DirectWhenIdle, InlineBatcher
+from gateway.intake import Intake, add_service
 from gateway.kserve import SERVICE_NAME as KSERVE_SERVICE
 from gateway.kserve import KServeService
 from gateway.pipeline import Gateway
-from gateway.service import BerthService
+from gateway.service import STREAM_CAPTURES, BerthService
 from gateway.tokenize import Limits
 from services.config import (
     DEFAULT_BATCHER_PORT,
@@ -67,7 +69,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_flag(parser, "max-texts", 256, "most texts in one call")
     add_flag(parser, "max-in-flight", 1024, "requests in flight before shedding")
-    add_flag(parser, "max-message-mb", 16, "largest request message accepted")
+    add_flag(
+        parser,
+        "max-message-mb",
+        16,
+        "largest request message accepted (gRPC refuses a larger one, "
+        "RESOURCE_EXHAUSTED); 16 holds a call of --max-texts 256 texts at the "
+        "character guard of a 512-token model",
+    )
+    add_flag(
+        parser,
+        "stream-window",
+        STREAM_WINDOW,
+        "requests of one stream (Stream, ModelStreamInfer) outstanding at "
+        "once, being answered or answered and not yet written; while it is "
+        "full no more are read: a caller that does not read is slowed, not "
+        "buffered",
+    )
     add_flag(parser, "cache-entries", 65536, "response cache entries per model; 0: off")
     add_flag(parser, "cache-mb", 128, "response cache MiB per model; 0: off")
     add_flag(
@@ -101,6 +119,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "--direct-when-idle sends an idle gateway's requests straight to "
             "the engines: it needs --engines too"
         )
+    if args.stream_window < 1:
+        parser.error(
+            f"--stream-window {args.stream_window}: a stream needs room for at "
+            "least 1 request"
+        )
     if args.own_port and args.own_port == args.port:
         # Not left to the bind: it would blame "another process".
         parser.error(
@@ -120,11 +143,11 @@ async def probe(gateway: Gateway) -> None:
     for name, model in gateway.models.items():
         response: berth_pb2.EmbedResponse | berth_pb2.ClassifyResponse
         if model.entry.task == "embed":
-            response = await berth.embed(
+            response, _ = await berth.embed(
                 berth_pb2.EmbedRequest(model=name, texts=[PROBE_TEXT]), timeout_s=30
             )
         else:
-            response = await berth.classify(
+            response, _ = await berth.classify(
                 berth_pb2.ClassifyRequest(model=name, texts=[PROBE_TEXT]), timeout_s=30
             )
         if response.degraded:
@@ -206,12 +229,18 @@ async def main(args: argparse.Namespace) -> None:
         max_message_bytes=args.max_message_mb * 2**20,
         also=[f"{args.host}:{args.own_port}"] if args.own_port else [],
     )
-    # Not berth_pb2_grpc.add_BerthServicer_to_server: add_servicer parses unary
-    # requests in the handler, so one gRPC cannot parse is INVALID_ARGUMENT.
-    server.add_servicer(
-        berth_pb2.DESCRIPTOR.services_by_name["Berth"], BerthService(gateway)
+    # Not berth_pb2_grpc.add_BerthServicer_to_server: the requests come as
+    # bytes, counted before they are parsed (gateway/intake.py), and one
+    # gRPC cannot parse is INVALID_ARGUMENT.
+    intake = Intake(args.max_texts)
+    add_service(
+        server,
+        berth_pb2.DESCRIPTOR.services_by_name["Berth"],
+        BerthService(gateway, args.stream_window),
+        intake,
+        STREAM_CAPTURES,
     )
-    KServeService(gateway).add_to_server(server)
+    KServeService(gateway, args.stream_window).add_to_server(server, intake)
     await server.start()
     freeze_startup_heap()
     log.info(

@@ -14,6 +14,8 @@ from services.errors import InvalidInput
 from services.proto.berth.v1 import berth_pb2
 
 Response = TypeVar("Response", berth_pb2.EmbedResponse, berth_pb2.ClassifyResponse)
+# A call's response, and the timings it took itself (Answer.measured).
+Served = tuple[Response, berth_pb2.Timings]
 
 
 def _varint(value: int) -> bytes:
@@ -69,10 +71,10 @@ class Berth:
         self.gateway = gateway
 
     async def counted(
-        self, api: str, model: str, texts: int, work: Awaitable[Response]
+        self, api: str, model: str, texts: int, work: Awaitable[Served[Response]]
     ) -> Response:
         """Await one request of ``texts`` texts, counting its outcome and
-        stage times, and in its model's statistics (KServe's
+        the stage times it took, and in its model's statistics (KServe's
         ModelStatistics: as in Triton, every inference of a model counts,
         whatever API it came by)."""
         known = model in self.gateway.models
@@ -81,18 +83,16 @@ class Berth:
         t0 = time.perf_counter_ns()
         with metrics.Tally(label, api) as tally:
             try:
-                response = await work
+                response, measured = await work
             except Exception:
                 if known:
                     metrics.model_stats(label).failed(time.perf_counter_ns() - t0)
                 raise
-            tally.answered(response.timings, response.degraded)
+            tally.answered(measured, response.degraded)
         if known:
-            run_ns = response.timings.total_us * 1000
+            run_ns = measured.total_us * 1000
             output_ns = max(0, time.perf_counter_ns() - t0 - run_ns)
-            metrics.model_stats(label).succeeded(
-                texts, response.timings, run_ns, output_ns
-            )
+            metrics.model_stats(label).succeeded(texts, measured, run_ns, output_ns)
         return response
 
     async def _answer(
@@ -101,6 +101,7 @@ class Berth:
         task: str,
         response: berth_pb2.EmbedResponse | berth_pb2.ClassifyResponse,
         timeout_s: float | None,
+        tenant: str,
     ) -> tuple[Model, Answer]:
         """Run one Embed or Classify call's texts into ``response``'s
         timings; its model and the answer."""
@@ -108,27 +109,41 @@ class Berth:
         response.model = model.entry.name
         response.request_id = request.request_id
         answer = await self.gateway.run(
-            model, list(request.texts), request.options, timeout_s, response.timings
+            model,
+            list(request.texts),
+            request.options,
+            timeout_s,
+            response.timings,
+            tenant,
         )
         response.degraded = answer.degraded
         return model, answer
 
     async def embed(
-        self, request: berth_pb2.EmbedRequest, timeout_s: float | None
-    ) -> berth_pb2.EmbedResponse:
+        self, request: berth_pb2.EmbedRequest, timeout_s: float | None, tenant: str = ""
+    ) -> Served[berth_pb2.EmbedResponse]:
+        """The response, and the timings the call took (see Served)."""
         with self.gateway.admission:
             response = berth_pb2.EmbedResponse()
-            model, answer = await self._answer(request, "embed", response, timeout_s)
+            model, answer = await self._answer(
+                request, "embed", response, timeout_s, tenant
+            )
             vectors = model.normalized(answer.outputs, request.options)
             response.MergeFromString(embeddings_wire(vectors, answer.tokens))
-            return response
+            return response, answer.measured
 
     async def classify(
-        self, request: berth_pb2.ClassifyRequest, timeout_s: float | None
-    ) -> berth_pb2.ClassifyResponse:
+        self,
+        request: berth_pb2.ClassifyRequest,
+        timeout_s: float | None,
+        tenant: str = "",
+    ) -> Served[berth_pb2.ClassifyResponse]:
+        """The response, and the timings the call took (see Served)."""
         with self.gateway.admission:
             response = berth_pb2.ClassifyResponse()
-            model, answer = await self._answer(request, "classify", response, timeout_s)
+            model, answer = await self._answer(
+                request, "classify", response, timeout_s, tenant
+            )
             probs = answer.outputs
             top_k = max(1, min(request.top_k or 1, len(model.labels)))
             best = np.argsort(-probs, axis=1, kind="stable")[:, :top_k]
@@ -144,23 +159,23 @@ class Berth:
                         tokens=n,
                     )
                 )
-            return response
+            return response, answer.measured
 
     async def stream(
-        self, request: berth_pb2.StreamRequest, timeout_s: float | None
+        self, request: berth_pb2.StreamRequest, timeout_s: float | None, tenant: str
     ) -> berth_pb2.StreamResponse:
         """One request of a Stream call, counted as api ``stream``."""
         kind = request.WhichOneof("request")
         if kind == "embed":
             inner = request.embed
-            embedded = await self.counted(
-                "stream", inner.model, len(inner.texts), self.embed(inner, timeout_s)
-            )
+            work = self.embed(inner, timeout_s, tenant)
+            embedded = await self.counted("stream", inner.model, len(inner.texts), work)
             return berth_pb2.StreamResponse(embed=embedded)
         if kind == "classify":
             asked = request.classify
+            job = self.classify(asked, timeout_s, tenant)
             classified = await self.counted(
-                "stream", asked.model, len(asked.texts), self.classify(asked, timeout_s)
+                "stream", asked.model, len(asked.texts), job
             )
             return berth_pb2.StreamResponse(classify=classified)
         raise InvalidInput("StreamRequest holds neither embed nor classify")

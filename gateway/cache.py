@@ -1,13 +1,17 @@
 """The gateway's response cache: per-text model outputs, bounded per model.
 
 An entry is what the engine computed for one text: its float32 output row
-(the pooled embedding before any normalization, or the probabilities) and
-its token count. The key is (model, truncate, text): normalization is
-applied by the gateway after the cache, so it is not part of the key, and
-truncate is, so that a text over the limit is never answered from a
-truncated entry when the caller did not ask to truncate. Both public APIs
-(berth.v1 and KServe) go through the same cache. Everything here runs on
-the event loop thread: no locks.
+(the pooled embedding before any normalization, or the probabilities), its
+token count, and the timings of the call that computed it. The key is
+(tenant, truncate, text): normalization is applied by the gateway after the
+cache, so it is not part of the key, and truncate is, so that a text over
+the limit is never answered from a truncated entry when the caller did not
+ask to truncate. The tenant keeps callers apart: one never gets an answer
+another's call put in the cache (gateway.calls ``tenant_of``). A hit
+answers with the stored timings, so that its timings do not tell a caller
+whether the text was cached. Both public APIs (berth.v1 and KServe) go
+through the same cache. Everything here runs on the event loop thread: no
+locks.
 """
 
 from __future__ import annotations
@@ -23,8 +27,11 @@ import numpy as np
 # short texts and narrow rows.
 ENTRY_OVERHEAD_BYTES = 256
 
-Key = tuple[bool, str]
-Entry = tuple[np.ndarray, int]
+# tokenize_us, queue_us, inference_us, total_us of a berth_pb2.Timings.
+Timings = tuple[int, int, int, int]
+NO_TIMINGS: Timings = (0, 0, 0, 0)
+Key = tuple[str, bool, str]
+Entry = tuple[np.ndarray, int, Timings]
 
 
 class ModelCache:
@@ -33,7 +40,10 @@ class ModelCache:
     def __init__(self, max_entries: int, max_bytes: int) -> None:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[Key, tuple[np.ndarray, int, int]] = OrderedDict()
+        # key -> (row, tokens, timings, size in bytes)
+        self._entries: OrderedDict[Key, tuple[np.ndarray, int, Timings, int]] = (
+            OrderedDict()
+        )
         self.bytes = 0
         self.hits = 0
         self.misses = 0
@@ -45,35 +55,47 @@ class ModelCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, truncate: bool, text: str) -> Entry | None:
-        """The row and token count cached for text, or None (counted)."""
-        found = self._entries.get((truncate, text))
+    def get(self, tenant: str, truncate: bool, text: str) -> Entry | None:
+        """The row, token count and timings cached for a tenant's text, or
+        None (counted)."""
+        found = self._entries.get((tenant, truncate, text))
         if found is None:
             self.misses += 1
             return None
-        self._entries.move_to_end((truncate, text))
+        self._entries.move_to_end((tenant, truncate, text))
         self.hits += 1
-        return found[0], found[1]
+        return found[0], found[1], found[2]
 
-    def put(self, truncate: bool, text: str, row: np.ndarray, tokens: int) -> None:
-        """Store a copy of one text's row; evicts the least recently used."""
+    def put(
+        self,
+        tenant: str,
+        truncate: bool,
+        text: str,
+        row: np.ndarray,
+        tokens: int,
+        timings: Timings = NO_TIMINGS,
+    ) -> None:
+        """Store a copy of one text's row, with the timings of the call that
+        computed it; evicts the least recently used."""
         # Sized as stored (float32), whatever the dtype it comes in.
-        size = row.size * 4 + sys.getsizeof(text) + ENTRY_OVERHEAD_BYTES
+        size = (
+            row.size * 4 + sys.getsizeof(text) + sys.getsizeof(tenant)
+        ) + ENTRY_OVERHEAD_BYTES
         if size > self.max_bytes or self.max_entries <= 0:
             return
-        key = (truncate, text)
+        key = (tenant, truncate, text)
         old = self._entries.pop(key, None)
         if old is not None:
-            self.bytes -= old[2]
+            self.bytes -= old[3]
         # A copy: a view would keep its whole batch alive, and callers may
         # write to their own arrays.
         row = np.array(row, dtype=np.float32)
         row.flags.writeable = False
-        self._entries[key] = (row, tokens, size)
+        self._entries[key] = (row, tokens, timings, size)
         self.bytes += size
         self.inserts += 1
         while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
-            _, (_, _, evicted) = self._entries.popitem(last=False)
+            _, (_, _, _, evicted) = self._entries.popitem(last=False)
             self.bytes -= evicted
             self.evictions += 1
 
@@ -104,30 +126,33 @@ class ResponseCache:
         return cache
 
     def lookup(
-        self, model: str, truncate: bool, texts: list[str]
+        self, model: str, tenant: str, truncate: bool, texts: list[str]
     ) -> list[Entry | None]:
-        """Per text, its cached (row, tokens) or None."""
+        """Per text, the tenant's cached (row, tokens, timings) or None."""
         cache = self.model(model)
         if cache is None:
             return [None] * len(texts)
         t0 = time.perf_counter_ns()
-        found = [cache.get(truncate, text) for text in texts]
+        found = [cache.get(tenant, truncate, text) for text in texts]
         cache.lookup_ns += time.perf_counter_ns() - t0
         return found
 
     def insert(
         self,
         model: str,
+        tenant: str,
         truncate: bool,
         texts: list[str],
         rows: list[np.ndarray],
         tokens: list[int],
+        timings: Timings = NO_TIMINGS,
     ) -> None:
+        """Store the rows one call computed for a tenant, with its timings."""
         cache = self.model(model)
         if cache is None:
             return
         for text, row, n in zip(texts, rows, tokens, strict=True):
-            cache.put(truncate, text, row, n)
+            cache.put(tenant, truncate, text, row, n, timings)
 
     @property
     def hits(self) -> int:

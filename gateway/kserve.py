@@ -19,7 +19,15 @@ from importlib import metadata
 import grpc
 
 from gateway import metrics
-from gateway.calls import AbortOnError, serve_requests, serve_unary
+from gateway.calls import (
+    STREAM_WINDOW,
+    AbortOnError,
+    serve_requests,
+    serve_unary,
+    tenant_of,
+)
+from gateway.echo import quoted
+from gateway.intake import Intake, add_service
 from gateway.kserve_tensors import (
     TEXT,
     VERSION,
@@ -44,6 +52,9 @@ EXTENSIONS = [
     "binary_tensor_data",
     "parameters",
 ]
+# What a ModelStreamInfer message refused unread keeps (gateway.intake):
+# enough for its answer to name its request.
+STREAM_CAPTURES = frozenset({"model_name", "id"})
 
 
 def duration(count: int, ns: int) -> pb.StatisticDuration:
@@ -97,13 +108,13 @@ class KServe:
         model = self.gateway.models.get(name)
         if model is None:
             raise UnknownModel(
-                f"unknown model {name!r}; this gateway serves "
+                f"unknown model {quoted(name)}; this gateway serves "
                 f"{', '.join(sorted(self.gateway.models))}"
             )
         if version not in ("", VERSION):
             raise UnknownModel(
-                f"model {name!r} has no version {version!r}; its only version is "
-                f"{VERSION} (or leave model_version empty)"
+                f"model {name!r} has no version {quoted(version)}; its only "
+                f"version is {VERSION} (or leave model_version empty)"
             )
         return model
 
@@ -120,7 +131,11 @@ class KServe:
         return all(healthy.get(n, False) for n in wanted)
 
     async def infer(
-        self, request: pb.ModelInferRequest, timeout_s: float | None, api: str
+        self,
+        request: pb.ModelInferRequest,
+        timeout_s: float | None,
+        api: str,
+        tenant: str = "",
     ) -> pb.ModelInferResponse:
         """One request, counted in the gateway's request metrics as berth's
         own calls are (``api``: kserve for ModelInfer, kserve_stream for
@@ -128,14 +143,15 @@ class KServe:
         name = request.model_name
         label = name if name in self.gateway.models else "unknown"
         with metrics.Tally(label, api) as tally:
-            response, timings, degraded = await self._infer(request, timeout_s)
+            response, timings, degraded = await self._infer(request, timeout_s, tenant)
             tally.answered(timings, degraded)
         return response
 
     async def _infer(
-        self, request: pb.ModelInferRequest, timeout_s: float | None
+        self, request: pb.ModelInferRequest, timeout_s: float | None, tenant: str
     ) -> tuple[pb.ModelInferResponse, berth_pb2.Timings, bool]:
-        """The response, its stage timings, and whether it is degraded."""
+        """The response, the stage timings it took, and whether it is
+        degraded."""
         model = self.model(request.model_name, request.model_version)
         stats = metrics.model_stats(model.entry.name)
         t0 = time.perf_counter_ns()
@@ -146,7 +162,7 @@ class KServe:
                 call = parse_call(request, model, timeout_s)
                 timings = berth_pb2.Timings()
                 answer = await self.gateway.run(
-                    model, texts, call.options, call.timeout_s, timings
+                    model, texts, call.options, call.timeout_s, timings, tenant
                 )
                 t1 = time.perf_counter_ns()
                 response = shape_outputs(request, model, answer.outputs, call)
@@ -155,8 +171,9 @@ class KServe:
         except Exception:
             stats.failed(time.perf_counter_ns() - t0)
             raise
-        stats.succeeded(len(texts), timings, t1 - t0, time.perf_counter_ns() - t1)
-        return response, timings, answer.degraded
+        measured = answer.measured
+        stats.succeeded(len(texts), measured, t1 - t0, time.perf_counter_ns() - t1)
+        return response, measured, answer.degraded
 
     def metadata(self, model: Model) -> pb.ModelMetadataResponse:
         meta = pb.ModelMetadataResponse.TensorMetadata
@@ -209,14 +226,16 @@ class KServe:
 class KServeService(pb_grpc.GRPCInferenceServiceServicer):
     """gRPC adapter of KServe: maps berth errors onto status codes."""
 
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, stream_window: int = STREAM_WINDOW) -> None:
         self.kserve = KServe(gateway)
+        self.stream_window = stream_window
 
-    def add_to_server(self, server: ServiceServer) -> None:
-        """Registered as berth's own service is (ServiceServer.add_servicer):
-        a unary request gRPC cannot parse is INVALID_ARGUMENT, not UNKNOWN."""
+    def add_to_server(self, server: ServiceServer, intake: Intake) -> None:
+        """Registered as berth's own service is (gateway.intake.add_service):
+        requests counted before they are parsed, and one gRPC cannot parse
+        is INVALID_ARGUMENT, not UNKNOWN."""
         service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
-        server.add_servicer(service, self)
+        add_service(server, service, self, intake, STREAM_CAPTURES)
 
     async def ServerLive(
         self, request: pb.ServerLiveRequest, context: grpc.aio.ServicerContext
@@ -278,7 +297,8 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(
         self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInferResponse:
-        work = self.kserve.infer(request, context.time_remaining(), "kserve")
+        tenant = tenant_of(context)
+        work = self.kserve.infer(request, context.time_remaining(), "kserve", tenant)
         method = f"{SERVICE_NAME}/ModelInfer"
         return await serve_unary(context, method, request.model_name, work)
 
@@ -287,9 +307,13 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
         request_iterator: AsyncIterator[pb.ModelInferRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        tenant = tenant_of(context)
+
         async def call(request: pb.ModelInferRequest) -> pb.ModelStreamInferResponse:
             timeout_s = context.time_remaining()
-            response = await self.kserve.infer(request, timeout_s, "kserve_stream")
+            response = await self.kserve.infer(
+                request, timeout_s, "kserve_stream", tenant
+            )
             return pb.ModelStreamInferResponse(infer_response=response)
 
         responses = serve_requests(
@@ -299,8 +323,9 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
             call,
             _stream_error,
             model_of=lambda request: request.model_name,
-            named=lambda request: f"ModelStreamInfer request {request.id!r}",
+            named=lambda request: f"ModelStreamInfer request {quoted(request.id)}",
             in_order=True,
+            window=self.stream_window,
         )
         async for response in responses:
             yield response

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gateway.echo import quoted
 from gateway.pipeline import Model
 from services.errors import InvalidInput
 from services.proto.berth.v1 import berth_pb2
@@ -50,17 +51,23 @@ def outputs_of(model: Model) -> list[tuple[str, str, list[int]]]:
 def decode_texts(request: pb.ModelInferRequest) -> list[str]:
     """The texts of the TEXT input, raw or typed; raises InvalidInput."""
     if len(request.inputs) != 1 or request.inputs[0].name != TEXT:
-        names = ", ".join(repr(i.name) for i in request.inputs) or "none"
+        names = ", ".join(quoted(i.name) for i in request.inputs[:8]) or "none"
+        if len(request.inputs) > 8:
+            names += f" and {len(request.inputs) - 8} more"
         raise InvalidInput(
-            f"model {request.model_name!r} takes exactly one input, {CONTRACT}; "
-            f"got inputs {names}"
+            f"model {quoted(request.model_name)} takes exactly one input, "
+            f"{CONTRACT}; got inputs {names}"
         )
     tensor = request.inputs[0]
     if tensor.datatype != "BYTES":
-        raise InvalidInput(f"input TEXT has datatype {tensor.datatype!r}: use BYTES")
-    if len(tensor.shape) != 1:
         raise InvalidInput(
-            f"input TEXT has shape {list(tensor.shape)}: use [N], one text per element"
+            f"input TEXT has datatype {quoted(tensor.datatype)}: use BYTES"
+        )
+    if len(tensor.shape) != 1:
+        dims = ", ".join(map(str, tensor.shape[:8]))
+        dims += ", ..." if len(tensor.shape) > 8 else ""
+        raise InvalidInput(
+            f"input TEXT has shape [{dims}]: use [N], one text per element"
         )
     n = tensor.shape[0]
     if request.raw_input_contents:
@@ -114,7 +121,11 @@ def class_count(output: str, datatype: str, value: pb.InferParameter) -> int:
     InvalidInput."""
     kind = value.WhichOneof("parameter_choice")
     if kind != "int64_param":
-        got = f"{kind} {getattr(value, kind)!r}" if kind else "nothing"
+        shown = getattr(value, kind) if kind else None
+        if isinstance(shown, str | bytes):
+            got = f"{kind} {quoted(shown)}"
+        else:
+            got = f"{kind} {shown!r}" if kind else "nothing"
         raise InvalidInput(
             f"output {output!r}: parameter 'classification' must be an "
             f"int64_param class count, got {got}"
@@ -190,15 +201,15 @@ def parse_call(
         elif name not in IGNORED_PARAMETERS:
             known = "truncate" + (", normalize" if model.entry.task == "embed" else "")
             raise InvalidInput(
-                f"parameter {name!r} is not understood by {model.entry.task} model "
-                f"{model.entry.name!r}; it takes {known}, binary_data_output"
+                f"parameter {quoted(name)} is not understood by {model.entry.task} "
+                f"model {model.entry.name!r}; it takes {known}, binary_data_output"
             )
     available = {o[0]: o for o in outputs_of(model)}
     outputs, per_output, classes = [], set(), {}
     for wanted in request.outputs:
         if wanted.name not in available:
             raise InvalidInput(
-                f"model {model.entry.name!r} has no output {wanted.name!r}; "
+                f"model {model.entry.name!r} has no output {quoted(wanted.name)}; "
                 f"its outputs are {', '.join(available)}"
             )
         output = available[wanted.name]
@@ -209,8 +220,8 @@ def parse_call(
                 classes[wanted.name] = class_count(wanted.name, output[1], value)
             else:
                 raise InvalidInput(
-                    f"output parameter {key!r} is not supported; use binary_data "
-                    "or classification"
+                    f"output parameter {quoted(key)} is not supported; use "
+                    "binary_data or classification"
                 )
         outputs.append(output)
     if len(per_output) > 1:

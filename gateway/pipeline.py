@@ -20,7 +20,8 @@ import numpy as np
 
 from gateway import metrics
 from gateway.batcher_client import Batching
-from gateway.cache import ResponseCache
+from gateway.cache import Entry, ResponseCache, Timings
+from gateway.echo import quoted
 from gateway.tokenize import Limits, TextEncoder
 from services.errors import (
     BerthError,
@@ -58,11 +59,40 @@ Result = TypeVar("Result")
 
 @dataclass
 class Answer:
-    """One call's outputs [N, width], token counts, and whether degraded."""
+    """One call's outputs [N, width], token counts, whether degraded, and
+    the timings it took itself (for metrics: what the caller is told can
+    differ, see Gateway.run)."""
 
     outputs: np.ndarray
     tokens: list[int]
     degraded: bool
+    measured: berth_pb2.Timings
+
+
+def stamp(timings: berth_pb2.Timings) -> Timings:
+    return (
+        timings.tokenize_us,
+        timings.queue_us,
+        timings.inference_us,
+        timings.total_us,
+    )
+
+
+def reported(
+    measured: berth_pb2.Timings, found: list[Entry | None], missed: bool
+) -> Timings:
+    """The timings a call is told: its own when nothing was cached; else,
+    field by field, the largest of the cached entries' (the timings of the
+    calls that computed them) and, when some texts missed, its own. A call
+    answered from the cache so reports what the call that filled it did,
+    and its timings do not tell whether a text was cached."""
+    stamps = [f[2] for f in found if f is not None]
+    if missed:
+        stamps.append(stamp(measured))
+    tokenize, queue, inference, total = (
+        max(values) for values in zip(*stamps, strict=True)
+    )
+    return tokenize, queue, inference, total
 
 
 class Admission:
@@ -146,7 +176,7 @@ class Gateway:
         model = self.models.get(name)
         if model is None:
             raise InvalidInput(
-                f"unknown model {name!r}; this gateway serves "
+                f"unknown model {quoted(name)}; this gateway serves "
                 f"{', '.join(sorted(self.models))}"
             )
         if task is not None and model.entry.task != task:
@@ -163,17 +193,19 @@ class Gateway:
         options: berth_pb2.Options,
         timeout_s: float | None,
         timings: berth_pb2.Timings,
+        tenant: str = "",
     ) -> Answer:
         """Tokenize and run texts: outputs [N, width], token counts, degraded.
 
-        Texts found in the response cache skip tokenization and the batcher;
-        a call whose texts all hit never reaches the batcher.
+        Texts found in the ``tenant``'s response cache skip tokenization and
+        the batcher; a call whose texts all hit never reaches the batcher.
+        ``timings`` gets what the caller is told (:func:`reported`).
         """
         t0 = time.perf_counter()
         name, truncate = model.entry.name, options.truncate
         model.encoder.check_count(texts)
         with span_if_recording(TRACER, "gateway.cache"):
-            found = self.cache.lookup(name, truncate, texts)
+            found = self.cache.lookup(name, tenant, truncate, texts)
         if self.cache.enabled:
             hits = sum(f is not None for f in found)
             metrics.CACHE.labels(name, "hit").inc(hits)
@@ -189,6 +221,7 @@ class Gateway:
         counts: list[int] = []
         t1 = t0
         degraded = False
+        measured = berth_pb2.Timings()
         if misses:
             try:
                 with span_if_recording(TRACER, "gateway.tokenize"):
@@ -199,22 +232,31 @@ class Gateway:
                     await self._tokenize(model, texts, truncate)
                 raise
             t1 = time.perf_counter()
-            rows, degraded = await self._infer(model, ids, timeout_s, timings)
+            rows, degraded = await self._infer(model, ids, timeout_s, measured)
             counts = [len(x) for x in ids]
+            measured.tokenize_us = int((t1 - t0) * 1e6)
+            measured.total_us = int((time.perf_counter() - t0) * 1e6)
             if not degraded:  # a fallback's answer is never cached
-                self.cache.insert(name, truncate, misses, rows, counts)
+                own = stamp(measured)
+                self.cache.insert(name, tenant, truncate, misses, rows, counts, own)
         if len(misses) < len(texts):  # some cached, or a text twice
             computed = dict(zip(misses, zip(rows, counts, strict=True), strict=True))
             answers = [
-                f if f is not None else computed[t]
+                (f[0], f[1]) if f is not None else computed[t]
                 for t, f in zip(texts, found, strict=True)
             ]
             rows, counts = [row for row, _ in answers], [n for _, n in answers]
         # (np.stack of one row costs 1.5 µs on the dev machine, this copy 0.3.)
         outputs = rows[0][np.newaxis].copy() if len(rows) == 1 else np.stack(rows)
-        timings.tokenize_us = int((t1 - t0) * 1e6)
-        timings.total_us = int((time.perf_counter() - t0) * 1e6)
-        return Answer(outputs, counts, degraded)
+        if not misses:
+            measured.total_us = int((time.perf_counter() - t0) * 1e6)
+        (
+            timings.tokenize_us,
+            timings.queue_us,
+            timings.inference_us,
+            timings.total_us,
+        ) = reported(measured, found, bool(misses))
+        return Answer(outputs, counts, degraded, measured)
 
     async def in_threads(self, work: Callable[..., Result], *args: object) -> Result:
         """``work(*args)`` on the tokenizer threads, off the event loop."""

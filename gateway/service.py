@@ -6,13 +6,31 @@ from collections.abc import AsyncIterator, Awaitable
 
 import grpc
 
-from gateway.berth import Berth, Response
-from gateway.calls import AbortOnError, serve_requests, serve_unary
+from gateway.berth import Berth, Response, Served
+from gateway.calls import (
+    STREAM_WINDOW,
+    AbortOnError,
+    serve_requests,
+    serve_unary,
+    tenant_of,
+)
 from gateway.pipeline import Gateway
 from services.errors import BerthError
 from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
 
 DEGRADED_METADATA = (("x-berth-degraded", "true"),)
+# What a Stream message refused unread keeps (gateway.intake): enough for
+# its answer to name its request.
+STREAM_CAPTURES = frozenset(
+    {
+        "embed",
+        "embed.model",
+        "embed.request_id",
+        "classify",
+        "classify.model",
+        "classify.request_id",
+    }
+)
 
 
 def _inner(
@@ -40,20 +58,22 @@ def _stream_error(
 class BerthService(berth_pb2_grpc.BerthServicer):
     """gRPC adapter: maps berth errors onto status codes."""
 
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, stream_window: int = STREAM_WINDOW) -> None:
         self.berth = Berth(gateway)
+        self.stream_window = stream_window
 
     async def Embed(
         self, request: berth_pb2.EmbedRequest, context: grpc.aio.ServicerContext
     ) -> berth_pb2.EmbedResponse:
-        work = self.berth.embed(request, context.time_remaining())
+        work = self.berth.embed(request, context.time_remaining(), tenant_of(context))
         texts = len(request.texts)
         return await self._unary("Embed", "embed", request.model, texts, work, context)
 
     async def Classify(
         self, request: berth_pb2.ClassifyRequest, context: grpc.aio.ServicerContext
     ) -> berth_pb2.ClassifyResponse:
-        work = self.berth.classify(request, context.time_remaining())
+        tenant = tenant_of(context)
+        work = self.berth.classify(request, context.time_remaining(), tenant)
         texts = len(request.texts)
         return await self._unary(
             "Classify", "classify", request.model, texts, work, context
@@ -65,7 +85,7 @@ class BerthService(berth_pb2_grpc.BerthServicer):
         api: str,
         model: str,
         texts: int,
-        work: Awaitable[Response],
+        work: Awaitable[Served[Response]],
         context: grpc.aio.ServicerContext,
     ) -> Response:
         """One traced, counted call; degraded answers say so in the trailer."""
@@ -94,10 +114,12 @@ class BerthService(berth_pb2_grpc.BerthServicer):
         request_iterator: AsyncIterator[berth_pb2.StreamRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[berth_pb2.StreamResponse]:
+        tenant = tenant_of(context)
+
         def call(
             request: berth_pb2.StreamRequest,
         ) -> Awaitable[berth_pb2.StreamResponse]:
-            return self.berth.stream(request, context.time_remaining())
+            return self.berth.stream(request, context.time_remaining(), tenant)
 
         responses = serve_requests(
             request_iterator,
@@ -107,6 +129,7 @@ class BerthService(berth_pb2_grpc.BerthServicer):
             _stream_error,
             model_of=lambda request: _inner(request).model,
             named=lambda request: f"Stream request {_inner(request).request_id!r}",
+            window=self.stream_window,
         )
         async for response in responses:
             yield response

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+from collections.abc import Callable
 
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 # Libraries that log each step at INFO: torch.onnx's exporter (through
@@ -31,3 +33,34 @@ def setup_logging(service: str) -> logging.Logger:
         for name in CHATTY:
             logging.getLogger(name).setLevel(floor)
     return logging.getLogger(f"berth.{service}")
+
+
+class Throttled:
+    """One log line per ``period_s`` for an event a caller can repeat at will
+    (a request that cannot be parsed): the first at once, later ones counted
+    and reported with the next line that is let through, so a flood of them
+    cannot fill the log."""
+
+    def __init__(
+        self,
+        log: logging.Logger,
+        period_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.log = log
+        self.period_s = period_s
+        self._clock = clock
+        self._next = 0.0
+        self._suppressed = 0
+
+    def warning(self, message: str, *args: object) -> None:
+        now = self._clock()
+        if now < self._next:
+            self._suppressed += 1
+            return
+        if self._suppressed:
+            message += " (and %d more like it in the last %.0f s, not logged)"
+            args = (*args, self._suppressed, self.period_s)
+        self._suppressed = 0
+        self._next = now + self.period_s
+        self.log.warning(message, *args)

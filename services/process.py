@@ -19,7 +19,8 @@ def service_parser(
     service: str, description: str | None, *, port: int, metrics_port: int
 ) -> argparse.ArgumentParser:
     """``python -m <service>``'s parser with the flags every service takes
-    (--host, --port, --metrics-port, --drain-timeout-s, --model-repository),
+    (--host, --port, --metrics-port, --metrics-host, --drain-timeout-s,
+    --model-repository),
     each defaulting to its BERTH_* variable, then to the value given here."""
     parser = argparse.ArgumentParser(
         prog=f"python -m {service}", description=description
@@ -27,6 +28,12 @@ def service_parser(
     add_flag(parser, "host", "127.0.0.1", "address to listen on")
     add_flag(parser, "port", port, "port to listen on")
     add_flag(parser, "metrics-port", metrics_port, "Prometheus /metrics port (0: off)")
+    add_flag(
+        parser,
+        "metrics-host",
+        "127.0.0.1",
+        "address /metrics listens on (0.0.0.0: every interface)",
+    )
     add_flag(
         parser,
         "drain-timeout-s",
@@ -39,8 +46,9 @@ def service_parser(
 
 def start_service(service: str, args: argparse.Namespace) -> logging.Logger:
     """A service process's logging (BERTH_LOG_LEVEL), OTLP tracing (OTEL_*)
-    and Prometheus /metrics on --host:--metrics-port; returns its logger."""
+    and Prometheus /metrics on --metrics-host:--metrics-port; returns its
+    logger."""
     log = setup_logging(service)
     setup_tracing(service)
-    serve_metrics(service, args.host, args.metrics_port)
+    serve_metrics(service, args.metrics_host, args.metrics_port)
     return log

@@ -10,23 +10,25 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import inspect
 import logging
 import os
 import signal
 import socket
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 import grpc
 from google.protobuf import message_factory
 from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message import DecodeError, Message
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection
 
 from services.channels import server_options
 from services.config import env
 from services.errors import BerthError, InvalidInput, abort
+from services.logs import Throttled
 from services.sockets import bound, listen_addresses
 
 # A front door's lame duck after turning NOT_SERVING (the gateway's
@@ -36,6 +38,11 @@ LAME_DUCK_S = 0.5
 log = logging.getLogger("berth.server")
 
 OVERALL = ""  # the health service name that stands for the whole server
+HEALTH = health_pb2.DESCRIPTOR.services_by_name["Health"]
+
+# A request that cannot be parsed is the caller's doing and can be repeated
+# at will: at most one line a minute says so, with how many there were.
+unparsed = Throttled(log, period_s=60.0)
 
 
 class ListenError(OSError):
@@ -101,13 +108,20 @@ class ServiceServer:
         max_message_bytes: int | None = None,
         reuse_port: bool | None = None,
         also: Iterable[str] = (),
+        public: bool | None = None,
     ) -> None:
         """Listens on ``address`` and on each of ``also`` (a gateway's own
-        port beside the port it shares)."""
+        port beside the port it shares). ``public``: the front door, whose
+        connections are aged out (services/channels.py server_options);
+        unless given, a server with a ``max_message_bytes`` of its own (the
+        gateway) is one."""
         self.name = name
         if reuse_port is None:
             reuse_port = env("reuse_port", False)
-        options = server_options()  # (BERTH_KEEPALIVE_* read now)
+        if public is None:
+            public = max_message_bytes is not None
+        # (BERTH_KEEPALIVE_* and the connection limits are read now)
+        options = server_options(public=public)
         options.append(("grpc.so_reuseport", int(reuse_port)))
         if max_message_bytes is not None:
             # A public front door accepts less than the internal hops.
@@ -115,12 +129,15 @@ class ServiceServer:
             options = [o for o in options if o[0] != key] + [(key, max_message_bytes)]
         self.server = grpc.aio.server(options=options)
         self.health = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        # Not health_pb2_grpc.add_HealthServicer_to_server: gRPC would parse
+        # the request, and answer bytes that are no HealthCheckRequest
+        # UNKNOWN with a traceback in the log, one per call.
+        self.add_servicer(HEALTH, self.health)
         self.service_names = list(service_names)
         reflection.enable_server_reflection(
             [
                 *self.service_names,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                HEALTH.full_name,
                 reflection.SERVICE_NAME,
             ],
             self.server,
@@ -154,36 +171,40 @@ class ServiceServer:
 
     def add_servicer(self, service: ServiceDescriptor, servicer: object) -> None:
         """Register ``servicer``'s methods of ``service``, as the generated
-        ``add_*Servicer_to_server`` does, but with each unary-unary method's
-        request parsed in its handler (:func:`parsed_in_handler`).
+        ``add_*Servicer_to_server`` does, but with the request of each method
+        that takes one request parsed in its handler (:func:`parsed_in_handler`).
 
         grpc.aio parses a request before any handler runs; one it cannot
         parse (bad wire format, a string that is not UTF-8) it answers
-        UNKNOWN ("Unexpected DecodeError"), though the caller sent it.
-        Registered without a deserializer, a handler gets the bytes and
-        answers such a request INVALID_ARGUMENT, as the streams answer a
-        message they cannot read (services/streams.py until_unreadable).
-        Streaming methods keep gRPC's parse: a handler that reads a request
-        stream gets the error as it reads (a unary-stream method would still
-        answer UNKNOWN; no berth service has one)."""
+        UNKNOWN ("Unexpected DecodeError"), though the caller sent it, and
+        logs a traceback for every such call. Registered without a
+        deserializer, a handler gets the bytes and answers such a request
+        INVALID_ARGUMENT, as the streams answer a message they cannot read
+        (services/streams.py until_unreadable). Methods that take a request
+        stream keep gRPC's parse: a handler gets the error as it reads."""
         handlers = {}
         for method in service.methods:
             request = message_factory.GetMessageClass(method.input_type)
             response = message_factory.GetMessageClass(method.output_type)
             behaviour = getattr(servicer, method.name)
             serialize = response.SerializeToString
-            if not method.client_streaming and not method.server_streaming:
-                handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+            if not method.client_streaming:
+                make_one = (
+                    grpc.unary_stream_rpc_method_handler
+                    if method.server_streaming
+                    else grpc.unary_unary_rpc_method_handler
+                )
+                handlers[method.name] = make_one(
                     parsed_in_handler(behaviour, request),
                     request_deserializer=None,  # the handler gets the bytes
                     response_serializer=serialize,
                 )
                 continue
-            make = {
-                (False, True): grpc.unary_stream_rpc_method_handler,
-                (True, False): grpc.stream_unary_rpc_method_handler,
-                (True, True): grpc.stream_stream_rpc_method_handler,
-            }[(method.client_streaming, method.server_streaming)]
+            make = (
+                grpc.stream_stream_rpc_method_handler
+                if method.server_streaming
+                else grpc.stream_unary_rpc_method_handler
+            )
             handlers[method.name] = make(
                 behaviour,
                 request_deserializer=request.FromString,
@@ -253,23 +274,44 @@ class ServiceServer:
 
 
 def parsed_in_handler(
-    behaviour: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Message]],
-    request_type: type[Message],
-) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[Message]]:
-    """A unary handler that parses the request bytes itself, then runs
-    ``behaviour`` on the message; bytes that are not a ``request_type`` are
-    answered INVALID_ARGUMENT naming it and the parse error."""
+    behaviour: Callable[..., Any], request_type: type[Message]
+) -> Any:
+    """A handler of a method that takes one request: it parses the request
+    bytes itself, then runs ``behaviour`` on the message (a coroutine
+    function, or an async generator function for a method that answers with
+    a stream). Bytes that are not a ``request_type`` are answered
+    INVALID_ARGUMENT naming it and the parse error, and logged at most once
+    a minute (:data:`unparsed`)."""
     name = request_type.DESCRIPTOR.full_name
 
-    async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> Message:
+    async def parse(raw: bytes, context: grpc.aio.ServicerContext) -> Message:
         try:
-            request = request_type.FromString(raw)
+            return request_type.FromString(raw)
         except Exception as exc:  # a DecodeError is the caller's; else a bug
             kind = InvalidInput if isinstance(exc, DecodeError) else BerthError
+            unparsed.warning(
+                "a request from %s could not be parsed as %s: %s",
+                context.peer(),
+                name,
+                exc,
+            )
             await abort(
                 context, kind(f"the request could not be parsed as {name}: {exc}")
             )
             raise  # unreachable: abort raises
-        return await behaviour(request, context)
+
+    if inspect.isasyncgenfunction(behaviour):
+
+        async def stream(
+            raw: bytes, context: grpc.aio.ServicerContext
+        ) -> AsyncIterator[Message]:
+            async for reply in behaviour(await parse(raw, context), context):
+                yield reply
+
+        return stream
+
+    async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> Message:
+        reply: Message = await behaviour(await parse(raw, context), context)
+        return reply
 
     return handle

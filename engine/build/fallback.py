@@ -30,7 +30,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -44,6 +43,7 @@ from tokenizers import Tokenizer
 
 from engine.encoder import load_encoder
 from engine.heads import load_classifier_head, make_pooling
+from services import files
 from services.fallback_model import FORMAT, FallbackModel, fallback_path
 from services.repository import ModelEntry, load_repository
 
@@ -351,9 +351,7 @@ def write_fallback(
 ) -> None:
     """Atomically: a server starting meanwhile never reads half a file."""
     data = save_safetensors(fallback.tensors(), metadata=metadata)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    files.write_bytes(path, data)
 
 
 def build_fallbacks(root: Path, force: bool = False) -> list[Path]:

@@ -18,7 +18,6 @@ import fcntl
 import hashlib
 import json
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -31,6 +30,7 @@ import torch
 
 from engine import settings as engine_settings
 from engine.model import ServedModel, load_served_model
+from services import files
 from services.repository import ModelEntry
 
 log = logging.getLogger("berth.engine")
@@ -104,8 +104,9 @@ def export_onnx(model: ServedModel, path: Path, max_length: int) -> Path:
                 raise RuntimeError("torch.onnx.export returned no program")
             program.save(str(staging / path.name))
         # External data first, the graph last: a reader checks for the graph.
-        for part in sorted(staging.iterdir(), key=lambda f: f.name == path.name):
-            os.replace(part, path.parent / part.name)
+        parts = sorted(staging.iterdir(), key=lambda f: f.name == path.name)
+        files.move_into_place(parts, path.parent)
+        files.seal(path, [path.parent / p.name for p in parts if p.name != path.name])
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     log.info(
@@ -123,7 +124,7 @@ def export_entry(entry: ModelEntry, directory: Path | None = None) -> Path:
     directory = directory or cache_dir()
     fingerprint = model_fingerprint(entry)
     path = directory / "onnx" / f"{entry.name}-{fingerprint[:16]}.onnx"
-    if path.is_file():
+    if files.verified(path, "ONNX export"):
         log.info("ONNX for %s found in cache: %s", entry.name, path)
         return path
     # Engines starting together (`berth serve` runs one per core) export once:
@@ -135,7 +136,7 @@ def export_entry(entry: ModelEntry, directory: Path | None = None) -> Path:
         except BlockingIOError:
             log.info("waiting for another process's ONNX export of %s", entry.name)
             fcntl.flock(lock, fcntl.LOCK_EX)
-        if path.is_file():
+        if files.verified(path, "ONNX export"):
             log.info("ONNX for %s exported by another process: %s", entry.name, path)
             return path
         model = load_served_model(entry, "cpu", torch.float32)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.build.calibration import TokenBatch, load_tokenizer, pad_batches, tokenize
+from services import files
 
 log = logging.getLogger("berth.engine")
 
@@ -193,10 +193,9 @@ def engine_path(cache_dir: Path, model: str, precision: str, key: str) -> Path:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    """``data`` to ``path`` durably, then its checksum (services/files.py)."""
+    files.write_bytes(path, data)
+    files.seal(path)
 
 
 def entropy_calibrator(

@@ -26,6 +26,7 @@ from engine.cuda.graphs import (
 )
 from engine.cuda.pinned import Slot, SlotRing
 from engine.model import ServedModel
+from engine.validate import BadBatch
 
 if TYPE_CHECKING:
     from engine.cuda.backend import CudaBackend
@@ -407,11 +408,11 @@ def _check_values(
     ids: np.ndarray, lengths: np.ndarray, length: int, vocab: int
 ) -> None:
     if _outside(ids, vocab):
-        raise ValueError(
+        raise BadBatch(
             f"token ids must lie in [0, {vocab}), got {ids.min()} to {ids.max()}"
         )
     if _outside(lengths, length + 1):
-        raise ValueError(
+        raise BadBatch(
             f"lengths must lie in [0, {length}], got {lengths.min()} to {lengths.max()}"
         )
 

@@ -115,6 +115,12 @@ def _serve_runtime_flags(serve: argparse.ArgumentParser) -> None:
     )
     add_flag(
         serve,
+        "metrics-host",
+        "127.0.0.1",
+        "address every process's /metrics listens on (0.0.0.0: every interface)",
+    )
+    add_flag(
+        serve,
         "grpc-io",
         "poller",
         "poller: gRPC's own poller thread does each process's socket I/O; "

@@ -52,7 +52,10 @@ class Plan:
     @property
     def common(self) -> tuple[str, ...]:
         """Every child's flags."""
-        return ("--model-repository", str(Path(self.args.model_repository)))
+        return (
+            *("--model-repository", str(Path(self.args.model_repository))),
+            *("--metrics-host", self.args.metrics_host),
+        )
 
     @property
     def batching(self) -> tuple[str, ...]:

@@ -21,6 +21,7 @@ from tests.waits import until
 
 ENTRY = ModelEntry(name="m", task="embed", checkpoint="", buckets=[8, 16])
 WIDTH = 4
+VOCAB = 1000  # the vocabulary size its engines tell
 
 
 class SleepyEngine(internal_pb2_grpc.EngineServicer):
@@ -46,7 +47,9 @@ class SleepyEngine(internal_pb2_grpc.EngineServicer):
     async def Info(
         self, request: internal_pb2.EngineInfoRequest, context: grpc.aio.ServicerContext
     ) -> internal_pb2.EngineInfo:
-        model = internal_pb2.EngineModel(name=ENTRY.name, task="embed", width=WIDTH)
+        model = internal_pb2.EngineModel(
+            name=ENTRY.name, task="embed", width=WIDTH, vocab_size=VOCAB
+        )
         return internal_pb2.EngineInfo(models=[model], device="cpu", backend="sleep")
 
     async def Run(

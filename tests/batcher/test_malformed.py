@@ -29,6 +29,7 @@ from batcher.service import BatcherService
 from services.proto.berth.v1 import internal_pb2, internal_pb2_grpc
 from tests.batcher.loopback import (
     ENTRY,
+    VOCAB,
     WIDTH,
     SleepyEngine,
     sequence,
@@ -111,6 +112,18 @@ CASES = {
         entry([1], 17, [0, 17]),
         INVALID,
         MALFORMED + "sequence id 1 has 17 tokens; the model takes at most 16",
+    ),
+    "a-token-id-outside-the-vocabulary": (
+        entry([1], np.array([101, 7, 5000, 102], dtype="<i4").tobytes(), [0, 4]),
+        INVALID,
+        "invalid sequence for model 'm': sequence id 1 has token id 5000 at "
+        "position 2, outside the model's vocabulary [0, 1000)",
+    ),
+    "a-negative-token-id": (
+        entry([1], np.array([101, -3, 102], dtype="<i4").tobytes(), [0, 3]),
+        INVALID,
+        "invalid sequence for model 'm': sequence id 1 has token id -3 at "
+        "position 1, outside the model's vocabulary [0, 1000)",
     ),
     "an-id-twice": (
         entry([1, 1], 6, [0, 3, 6]),
@@ -302,3 +315,37 @@ def test_the_scheduler_refuses_a_malformed_entry_it_is_handed_directly() -> None
         result.message == MALFORMED + "offsets end at 4, but token_ids holds 6 tokens"
     )
     assert queued == 0
+
+
+def test_a_sequence_outside_the_vocabulary_is_refused_alone_and_never_sent() -> None:
+    """The vocabulary is what the engines' Info told (VOCAB). Of an entry of
+    three, the one with an id past it is refused INVALID_ARGUMENT at once;
+    the other two are queued and answered, and no batch the engine gets
+    holds the bad one."""
+    sent: list[np.ndarray] = []
+
+    def prepare(service: BatcherService) -> None:
+        dispatcher = service.batcher.schedulers[ENTRY.name].dispatcher
+        dispatch = dispatcher.dispatch
+
+        def recording(engine: object, batch: object) -> None:
+            sent.append(np.frombuffer(bytes(batch.tokens), dtype="<i4"))  # type: ignore[attr-defined]
+            dispatch(engine, batch)  # type: ignore[arg-type]
+
+        dispatcher.dispatch = recording  # type: ignore[method-assign]
+
+    tokens = np.array([5, 6, 7, 5, VOCAB, 7, 5, 6, 7], dtype="<i4").tobytes()
+    mixed = entry([1, 2, 3], tokens, [0, 3, 6, 9])
+    message = internal_pb2.GatewayMessage(sequences=[mixed, sequence(GOOD, 5)])
+    answers, status = asyncio.run(exchange([message], prepare=prepare))
+    (refused,) = answers[2]
+    assert refused.code == INVALID
+    assert refused.message == (
+        "invalid sequence for model 'm': sequence id 2 has token id 1000 at "
+        "position 1, outside the model's vocabulary [0, 1000)"
+    )
+    for seq_id in (1, 3, GOOD, AFTER):
+        (result,) = answers[seq_id]
+        assert_answered_ok(result)
+    assert sent and all(VOCAB not in tokens for tokens in sent)
+    assert status is grpc.StatusCode.OK

@@ -48,7 +48,8 @@ def service(request: pytest.FixtureRequest, tiny: ModelEntry) -> Iterator[Any]:
 
         backend = TorchBackend("cpu")
     backend.load(tiny)
-    yield EngineService(backend, {"tiny": tiny})
+    # Large enough for the 1,024-row batches of the CPU test below.
+    yield EngineService(backend, {"tiny": tiny}, max_batch=1024, token_budget=32768)
 
 
 def batch(batch_id: int, rows: int, seed: int) -> Any:

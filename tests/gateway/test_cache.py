@@ -23,22 +23,31 @@ def row(value: float, width: int = 4) -> np.ndarray:
 
 def test_lru_counts_hits_and_misses_and_evicts_oldest() -> None:
     cache = ModelCache(max_entries=2, max_bytes=1 << 20)
-    assert cache.get(False, "a") is None
-    cache.put(False, "a", row(1), 3)
-    cache.put(False, "b", row(2), 4)
-    hit = cache.get(False, "a")  # "a" is now the most recent
+    assert cache.get("", False, "a") is None
+    cache.put("", False, "a", row(1), 3)
+    cache.put("", False, "b", row(2), 4)
+    hit = cache.get("", False, "a")  # "a" is now the most recent
     assert hit is not None and hit[1] == 3 and hit[0][0] == 1
-    cache.put(False, "c", row(3), 5)  # evicts "b"
-    assert cache.get(False, "b") is None
-    assert cache.get(False, "c") is not None
+    cache.put("", False, "c", row(3), 5)  # evicts "b"
+    assert cache.get("", False, "b") is None
+    assert cache.get("", False, "c") is not None
     assert (cache.hits, cache.misses, cache.evictions, len(cache)) == (2, 2, 1, 2)
 
 
 def test_truncate_is_part_of_the_key() -> None:
     cache = ModelCache(max_entries=10, max_bytes=1 << 20)
-    cache.put(True, "long text", row(1), 512)
-    assert cache.get(False, "long text") is None
-    assert cache.get(True, "long text") is not None
+    cache.put("", True, "long text", row(1), 512)
+    assert cache.get("", False, "long text") is None
+    assert cache.get("", True, "long text") is not None
+
+
+def test_tenants_never_see_each_others_entries() -> None:
+    cache = ResponseCache(max_entries=10, max_bytes=1 << 20)
+    cache.insert("m", "tenant a", False, ["shared"], [row(1)], [3], (1, 2, 3, 4))
+    assert cache.lookup("m", "tenant b", False, ["shared"]) == [None]
+    assert cache.lookup("m", "", False, ["shared"]) == [None]
+    (found,) = cache.lookup("m", "tenant a", False, ["shared"])
+    assert found is not None and found[1] == 3 and found[2] == (1, 2, 3, 4)
 
 
 # Texts that agree on a long prefix, differ only in case, whitespace or one
@@ -60,11 +69,11 @@ NEAR_DUPLICATES = [
 def test_near_duplicates_have_entries_of_their_own() -> None:
     cache = ModelCache(max_entries=100, max_bytes=1 << 20)
     for i, text in enumerate(NEAR_DUPLICATES):
-        assert cache.get(False, text) is None, f"{i} hit before it was put"
-        cache.put(False, text, row(i), i + 1)
+        assert cache.get("", False, text) is None, f"{i} hit before it was put"
+        cache.put("", False, text, row(i), i + 1)
     assert len(cache) == len(NEAR_DUPLICATES)
     for i, text in enumerate(NEAR_DUPLICATES):
-        found = cache.get(False, text)
+        found = cache.get("", False, text)
         assert found is not None and found[0][0] == i and found[1] == i + 1, i
 
 
@@ -72,19 +81,19 @@ def test_byte_bound_evicts_and_too_big_entries_are_skipped() -> None:
     one = row(0, 256).nbytes + ENTRY_OVERHEAD_BYTES + 100
     cache = ModelCache(max_entries=100, max_bytes=3 * one)
     for i in range(10):
-        cache.put(False, f"t{i}", row(i, 256), 1)
+        cache.put("", False, f"t{i}", row(i, 256), 1)
         assert cache.bytes <= cache.max_bytes
     assert len(cache) == 3 and cache.evictions == 7
-    cache.put(False, "huge", row(0, 100_000), 1)
-    assert cache.get(False, "huge") is None and len(cache) == 3
+    cache.put("", False, "huge", row(0, 100_000), 1)
+    assert cache.get("", False, "huge") is None and len(cache) == 3
 
 
 def test_cached_rows_are_private_copies() -> None:
     cache = ModelCache(max_entries=10, max_bytes=1 << 20)
     batch = np.ones((4, 8), dtype=np.float32)
-    cache.put(False, "x", batch[1], 2)
+    cache.put("", False, "x", batch[1], 2)
     batch[1] = 7  # the caller's array changes; the cache's does not
-    found = cache.get(False, "x")
+    found = cache.get("", False, "x")
     assert found is not None and found[0].base is None and found[0][0] == 1
     with pytest.raises(ValueError):
         found[0][0] = 5
@@ -93,8 +102,8 @@ def test_cached_rows_are_private_copies() -> None:
 def test_disabled_cache_stores_nothing() -> None:
     for entries, size in ((0, 1 << 20), (10, 0)):
         cache = ResponseCache(entries, size)
-        cache.insert("m", False, ["a"], [row(1)], [2])
-        assert cache.lookup("m", False, ["a"]) == [None]
+        cache.insert("m", "", False, ["a"], [row(1)], [2])
+        assert cache.lookup("m", "", False, ["a"]) == [None]
         assert not cache.enabled and cache.hits == cache.misses == 0
 
 
@@ -103,11 +112,11 @@ def test_entries_are_sized_as_stored_whatever_dtype_they_come_in() -> None:
     float16 one half, letting the cache outgrow its byte bound)."""
     cache = ModelCache(max_entries=10, max_bytes=1 << 20)
     for dtype in (np.float64, np.float16, np.float32):
-        cache.put(False, str(np.dtype(dtype)), row(1, 384).astype(dtype), 3)
+        cache.put("", False, str(np.dtype(dtype)), row(1, 384).astype(dtype), 3)
     stored = sum(
-        found[0].nbytes + sys.getsizeof(text) + ENTRY_OVERHEAD_BYTES
+        found[0].nbytes + sys.getsizeof(text) + sys.getsizeof("") + ENTRY_OVERHEAD_BYTES
         for text in ("float64", "float16", "float32")
-        if (found := cache.get(False, text)) is not None
+        if (found := cache.get("", False, text)) is not None
     )
     assert len(cache) == 3 and cache.bytes == stored
 
@@ -133,7 +142,7 @@ def test_hits_skip_the_batcher_and_misses_run_once(
     assert batcher_sequences(stack) - before == 2  # the duplicate ran once
     again = embed(client, [world, hello])
     assert batcher_sequences(stack) - before == 2  # all hits: batcher untouched
-    assert again.timings.tokenize_us == again.timings.inference_us == 0
+    assert again.timings == first.timings  # those of the call that filled them
     assert list(again.embeddings[0].values) == list(first.embeddings[1].values)
     assert list(again.embeddings[1].values) == list(first.embeddings[0].values)
     embed(client, [hello, new])
@@ -170,12 +179,12 @@ def test_repeated_text_is_a_hit_with_the_same_answer(
     miss = embed(client, [text])
     assert miss.timings.inference_us > 0
     hit = embed(client, [text])
-    assert hit.timings.inference_us == 0 and hit.timings.tokenize_us == 0
+    assert hit.timings == miss.timings  # a hit tells nothing by its timings
     assert list(hit.embeddings[0].values) == list(miss.embeddings[0].values)
     assert hit.embeddings[0].tokens == miss.embeddings[0].tokens
     # Normalization happens after the cache: a hit can be unnormalized too.
     raw = embed(client, [text], normalize=False)
-    assert raw.timings.inference_us == 0
+    assert raw.timings == miss.timings
     vector = np.array(raw.embeddings[0].values)
     assert abs(np.linalg.norm(vector) - 1.0) > 1e-3
     np.testing.assert_allclose(
@@ -193,7 +202,7 @@ def test_near_duplicate_texts_are_answered_as_themselves(
     first = embed(client, texts)  # every text a miss: each computed itself
     assert first.timings.inference_us > 0
     again = embed(client, texts)  # every text a hit
-    assert again.timings.inference_us == 0
+    assert again.timings == first.timings
     for i, (a, b) in enumerate(zip(first.embeddings, again.embeddings, strict=True)):
         assert list(a.values) == list(b.values), f"texts[{i}] got another's row"
         assert a.tokens == b.tokens
@@ -218,3 +227,19 @@ def test_cached_truncation_does_not_skip_the_limit(
         embed(client, ["fine", long])
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "texts[1] has" in (info.value.details() or "")
+
+
+def test_a_hit_reports_the_timings_of_the_miss_that_filled_it(
+    client: berth_pb2_grpc.BerthStub,
+) -> None:
+    """A hit's timings are those of the computation behind its entry: a
+    caller cannot tell from them whether a text was cached."""
+    text = f"timings of a hit {uuid.uuid4().hex}"
+    miss = embed(client, [text])
+    assert miss.timings.inference_us > 0 and miss.timings.tokenize_us > 0
+    for _ in range(3):
+        hit = embed(client, [text])
+        assert hit.timings == miss.timings
+    other = f"timings of a batch {uuid.uuid4().hex}"
+    both = embed(client, [other, f"{other} too"])
+    assert embed(client, [f"{other} too"]).timings == both.timings
