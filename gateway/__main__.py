@@ -7,6 +7,7 @@ import asyncio
 import logging
 
 from batcher import add_scheduler_flags, scheduler_config
+from gateway.auth import add_keys_flag, keys_of, start_keys
 from gateway.batcher_client import BatcherClient, Batching
 from gateway.berth import Berth
 from gateway.cache import ResponseCache
@@ -31,6 +32,7 @@ from services.proto.berth.v1 import berth_pb2
 from services.repository import load_repository
 from services.server import LAME_DUCK_S, ServiceServer
 from services.telemetry import shutdown_tracing
+from services.tls import add_tls_flags, server_credentials, tls_flags_problem
 
 log = logging.getLogger("berth.gateway")
 
@@ -106,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
         "calls gRPC already received but had not handed over yet are "
         "answered, not CANCELLED, and health-checking clients move away",
     )
+    add_keys_flag(parser)
+    add_tls_flags(parser)
     gpu_buckets_flag(parser)
     add_scheduler_flags(parser)  # used when batching inline (--engines)
     return parser
@@ -130,6 +134,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"--own-port {args.own_port} is --port too: give the gateway a port "
             "of its own beside the shared one (0: none)"
         )
+    if problem := tls_flags_problem(args):
+        parser.error(problem)
+    args.api_keys = keys_of(parser, args.api_keys_file)
     return args
 
 
@@ -228,11 +235,12 @@ async def main(args: argparse.Namespace) -> None:
         [berth_pb2.DESCRIPTOR.services_by_name["Berth"].full_name, KSERVE_SERVICE],
         max_message_bytes=args.max_message_mb * 2**20,
         also=[f"{args.host}:{args.own_port}"] if args.own_port else [],
+        credentials=server_credentials(args),
     )
     # Not berth_pb2_grpc.add_BerthServicer_to_server: the requests come as
     # bytes, counted before they are parsed (gateway/intake.py), and one
     # gRPC cannot parse is INVALID_ARGUMENT.
-    intake = Intake(args.max_texts)
+    intake = Intake(args.max_texts, args.api_keys)
     add_service(
         server,
         berth_pb2.DESCRIPTOR.services_by_name["Berth"],
@@ -242,6 +250,7 @@ async def main(args: argparse.Namespace) -> None:
     )
     KServeService(gateway, args.stream_window).add_to_server(server, intake)
     await server.start()
+    start_keys(args.api_keys)
     freeze_startup_heap()
     log.info(
         "gateway models: %s; %s",

@@ -8,7 +8,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from gateway import metrics
+from gateway import auth, metrics
 from gateway.pipeline import INLINE_TOKENIZE_CHARS, Answer, Gateway, Model
 from services.errors import InvalidInput
 from services.proto.berth.v1 import berth_pb2
@@ -209,6 +209,6 @@ class Berth:
                     default_normalize=m.entry.normalize,
                 )
                 for m in self.gateway.models.values()
-                if not name or m.entry.name == name
+                if (not name or m.entry.name == name) and auth.allowed(m.entry.name)
             ]
         )

@@ -26,6 +26,7 @@ from google.protobuf import message_factory
 from google.protobuf.descriptor import Descriptor, FieldDescriptor, ServiceDescriptor
 from google.protobuf.message import DecodeError, Message
 
+from gateway.auth import CALLER, ApiKeys, Unauthenticated
 from services.errors import BerthError, InvalidInput, abort
 from services.server import ServiceServer
 
@@ -244,11 +245,26 @@ def stand_in(message_type: type[Request], captured: dict[str, bytes | int]) -> R
 
 
 class Intake:
-    """Reads the public services' requests: scanned, then parsed."""
+    """Reads the public services' requests: scanned, then parsed; with
+    ``keys``, only a call that carries one of them (gateway/auth.py), checked
+    before its first message is read."""
 
-    def __init__(self, max_texts: int) -> None:
+    def __init__(self, max_texts: int, keys: ApiKeys | None = None) -> None:
         self.max_texts = max_texts
+        self.keys = keys
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="parse")
+
+    async def admit(self, context: grpc.aio.ServicerContext) -> None:
+        """The call's caller (gateway.auth.CALLER) from its API key; a call
+        without a valid key ends UNAUTHENTICATED."""
+        if self.keys is None:
+            return
+        try:
+            caller = self.keys.caller(context.invocation_metadata() or ())
+        except Unauthenticated as exc:
+            await abort(context, exc)
+            raise  # unreachable: abort raises
+        CALLER.set(caller)
 
     async def parse(self, raw: bytes, message_type: type[Request]) -> Request:
         """Parse ``raw``: on the loop when small, else on the parse threads."""
@@ -282,6 +298,7 @@ class Intake:
         name = message_type.DESCRIPTOR.full_name
 
         async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> Message:
+            await self.admit(context)
             try:
                 request = await self.read(raw, message_type)
             except DecodeError as exc:
@@ -314,6 +331,7 @@ class Intake:
         async def handle(
             raw: AsyncIterator[bytes], context: grpc.aio.ServicerContext
         ) -> AsyncIterator[Message]:
+            await self.admit(context)
             async for response in behaviour(messages(raw), context):
                 yield response
 

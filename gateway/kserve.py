@@ -18,7 +18,7 @@ from importlib import metadata
 
 import grpc
 
-from gateway import metrics
+from gateway import auth, metrics
 from gateway.calls import (
     STREAM_WINDOW,
     AbortOnError,
@@ -105,6 +105,8 @@ class KServe:
         self.gateway = gateway
 
     def model(self, name: str, version: str) -> Model:
+        """The model named, if the call's API key may use it."""
+        auth.allow(name)
         model = self.gateway.models.get(name)
         if model is None:
             raise UnknownModel(
@@ -214,7 +216,10 @@ class KServe:
         )
 
     def statistics(self, name: str, version: str) -> pb.ModelStatisticsResponse:
-        names = [self.model(name, version).entry.name] if name else self.gateway.models
+        if name:
+            names = [self.model(name, version).entry.name]
+        else:
+            names = [n for n in self.gateway.models if auth.allowed(n)]
         cached = self.gateway.cache.enabled
         return pb.ModelStatisticsResponse(
             model_stats=[
@@ -250,6 +255,8 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelReady(
         self, request: pb.ModelReadyRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelReadyResponse:
+        async with AbortOnError(context):
+            auth.allow(request.name)
         try:
             model = self.kserve.model(request.name, request.version)
         except UnknownModel:

@@ -18,7 +18,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from gateway import metrics
+from gateway import auth, metrics
 from gateway.batcher_client import Batching
 from gateway.cache import Entry, ResponseCache, Timings
 from gateway.echo import quoted
@@ -172,7 +172,9 @@ class Gateway:
         self._tokenize_pool = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
 
     def model(self, name: str, task: str | None = None) -> Model:
-        """The model named, for a call of this task (any task: None)."""
+        """The model named, for a call of this task (any task: None), if
+        the call's API key may use it (gateway.auth.allow)."""
+        auth.allow(name)
         model = self.models.get(name)
         if model is None:
             raise InvalidInput(

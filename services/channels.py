@@ -169,6 +169,10 @@ def aio_channel(target: str) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(target, options=channel_options())
 
 
-def sync_channel(target: str) -> grpc.Channel:
-    """A blocking channel, for the CLI and tests."""
+def sync_channel(
+    target: str, credentials: grpc.ChannelCredentials | None = None
+) -> grpc.Channel:
+    """A blocking channel, for the CLI and tests (TLS with ``credentials``)."""
+    if credentials is not None:
+        return grpc.secure_channel(target, credentials, options=channel_options())
     return grpc.insecure_channel(target, options=channel_options())

@@ -109,13 +109,16 @@ class ServiceServer:
         reuse_port: bool | None = None,
         also: Iterable[str] = (),
         public: bool | None = None,
+        credentials: grpc.ServerCredentials | None = None,
     ) -> None:
         """Listens on ``address`` and on each of ``also`` (a gateway's own
-        port beside the port it shares). ``public``: the front door, whose
+        port beside the port it shares), with TLS when given
+        ``credentials`` (services/tls.py). ``public``: the front door, whose
         connections are aged out (services/channels.py server_options);
         unless given, a server with a ``max_message_bytes`` of its own (the
         gateway) is one."""
         self.name = name
+        self.credentials = credentials
         if reuse_port is None:
             reuse_port = env("reuse_port", False)
         if public is None:
@@ -161,7 +164,10 @@ class ServiceServer:
                 "port (0-65535)"
             )
         try:
-            port = self.server.add_insecure_port(address)
+            if self.credentials is None:
+                port = self.server.add_insecure_port(address)
+            else:
+                port = self.server.add_secure_port(address, self.credentials)
         except RuntimeError:  # gRPC's "Failed to bind to address"
             port = 0
         if port == 0:
@@ -233,6 +239,7 @@ class ServiceServer:
         )
         for service in (OVERALL, *self.service_names):
             await self.health.set(service, status)
+        mark_ready(serving)
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -271,6 +278,25 @@ class ServiceServer:
                 )
         await self.server.stop(grace_s)
         log.info("%s stopped", self.name)
+
+
+def mark_ready(serving: bool) -> None:
+    """Mirror the health status in the file BERTH_READY_FILE names, if set:
+    it exists while the server is SERVING. `berth serve` reads it for a
+    gateway with TLS, whose port it cannot call without a certificate."""
+    path = os.environ.get("BERTH_READY_FILE")
+    if not path:
+        return
+    try:
+        if serving:
+            with open(path, "w") as f:
+                f.write(f"{os.getpid()}\n")
+        else:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("cannot write BERTH_READY_FILE %s: %s", path, exc)
 
 
 def parsed_in_handler(

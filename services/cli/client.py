@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.channels import sync_channel
 from services.config import DEFAULT_GATEWAY_PORT
+from services.tls import client_credentials
 
 DEFAULT_ADDRESS = f"127.0.0.1:{DEFAULT_GATEWAY_PORT}"
 T = TypeVar("T")
@@ -25,10 +26,11 @@ T = TypeVar("T")
 STDIN_CHUNK = 256
 
 
-def _stub(address: str) -> Any:
+def _stub(args: argparse.Namespace) -> Any:
     from services.proto.berth.v1 import berth_pb2_grpc
 
-    return berth_pb2_grpc.BerthStub(sync_channel(address))
+    channel = sync_channel(args.address, client_credentials(args))
+    return berth_pb2_grpc.BerthStub(channel)
 
 
 def _options(args: argparse.Namespace) -> Any:
@@ -105,7 +107,7 @@ def _call(
 def cmd_embed(args: argparse.Namespace) -> int:
     from services.proto.berth.v1 import berth_pb2
 
-    stub = _stub(args.address)
+    stub = _stub(args)
     out: list[dict[str, Any]] = []
     degraded = False
     for texts, lines in _texts(args):
@@ -125,7 +127,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
 def cmd_classify(args: argparse.Namespace) -> int:
     from services.proto.berth.v1 import berth_pb2
 
-    stub = _stub(args.address)
+    stub = _stub(args)
     out = []
     degraded = False
     for texts, lines in _texts(args):
@@ -160,17 +162,20 @@ def cmd_models(args: argparse.Namespace) -> int:
 
     from services.proto.berth.v1 import berth_pb2
 
-    response = _stub(args.address).ModelInfo(
-        berth_pb2.ModelInfoRequest(), timeout=args.timeout
-    )
+    response = _stub(args).ModelInfo(berth_pb2.ModelInfoRequest(), timeout=args.timeout)
     print(json.dumps(MessageToDict(response)["models"], indent=2))
     return 0
 
 
-def health_status(address: str, service: str = "", timeout: float = 5.0) -> str:
+def health_status(
+    address: str,
+    service: str = "",
+    timeout: float = 5.0,
+    credentials: grpc.ChannelCredentials | None = None,
+) -> str:
     """grpc.health.v1 status of ``service`` at address ('' : the whole
-    server), or why there is none."""
-    stub = health_pb2_grpc.HealthStub(sync_channel(address))
+    server), or why there is none (TLS with ``credentials``)."""
+    stub = health_pb2_grpc.HealthStub(sync_channel(address, credentials))
     try:
         response = stub.Check(
             health_pb2.HealthCheckRequest(service=service), timeout=timeout
@@ -183,6 +188,8 @@ def health_status(address: str, service: str = "", timeout: float = 5.0) -> str:
 
 
 def cmd_health(args: argparse.Namespace) -> int:
-    status = health_status(args.address, args.service, args.timeout)
+    status = health_status(
+        args.address, args.service, args.timeout, client_credentials(args)
+    )
     print(status)
     return 0 if status == "SERVING" else 1

@@ -24,6 +24,7 @@ from services.config import (
     add_flag,
     repository_flag,
 )
+from services.tls import add_client_tls_flags, add_tls_flags
 
 DESCRIPTION = "The ``berth`` command: serve, call a running gateway, build models."
 
@@ -152,9 +153,17 @@ def _serve_runtime_flags(serve: argparse.ArgumentParser) -> None:
         "keeps them running, so a request's many wake-ups are cheap (lower "
         "latency at low load; costs power; refused under a CPU quota)",
     )
+    add_flag(
+        serve,
+        "api-keys-file",
+        "",
+        "every gateway's --api-keys-file: calls must carry one of its keys "
+        "('': no keys)",
+    )
     serve.add_argument(
         "--chaos", action="store_true", help="engines take SIGUSR1 to fail batches"
     )
+    add_tls_flags(serve)  # every gateway's
     repository_flag(serve)
 
 
@@ -204,6 +213,7 @@ def _client_parsers(sub: Subcommands) -> None:
 def _client_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "address", DEFAULT_ADDRESS, "gateway address")
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds to wait")
+    add_client_tls_flags(parser)
 
 
 def _positive(raw: str) -> int:

@@ -5,6 +5,7 @@ they will listen on."""
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +40,8 @@ class Plan:
     engine_addresses: list[str] = field(default_factory=list)
     batcher_addresses: list[str] = field(default_factory=list)
     own_ports: list[int] = field(default_factory=list)  # --gateway-own-port's
+    # With TLS: the files each gateway marks its readiness in (serve.py).
+    ready_files: list[Path] = field(default_factory=list)
 
     @property
     def gpus(self) -> int:
@@ -166,6 +169,7 @@ def _gateway(plan: Plan, name: str, i: int, metrics_offset: int) -> Child:
         plan.own_ports.append(args.gateway_own_port + i)
         own = ("--own-port", str(plan.own_ports[-1]))
     batchers = plan.batcher_addresses
+    keys = args.api_keys_file
     argv = python_module(
         "gateway",
         *("--host", args.host, "--port", str(args.port)),
@@ -177,10 +181,26 @@ def _gateway(plan: Plan, name: str, i: int, metrics_offset: int) -> Child:
         ),
         *("--metrics-port", plan.metrics_port(name, metrics_offset)),
         *own,
+        *("--api-keys-file", keys and os.path.abspath(keys)),
+        *tls_flags(args),
         *plan.buckets,
         *plan.common,
     )
     return Child(name, argv)
+
+
+def tls_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    """A gateway's --tls-* flags, serve's own ('' too: a BERTH_TLS_* set
+    where serve runs must not turn TLS on behind serve's back)."""
+    return tuple(
+        item
+        for flag, path in (
+            ("--tls-cert", args.tls_cert),
+            ("--tls-key", args.tls_key),
+            ("--tls-client-ca", args.tls_client_ca),
+        )
+        for item in (flag, path and os.path.abspath(path))
+    )
 
 
 def summary(plan: Plan) -> str:

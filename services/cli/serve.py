@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -14,7 +16,7 @@ from services.cli.client import DEFAULT_ADDRESS, health_status
 from services.cli.default_models import build_models
 from services.cli.plan import Plan, plan_stack, summary
 from services.cli.ports import PortUnavailable, check_listeners, reserve_ports
-from services.cli.supervisor import Supervisor
+from services.cli.supervisor import Child, Supervisor
 from services.cli.topology import (
     BATCHER_MODES,
     GRPC_IO,
@@ -26,6 +28,7 @@ from services.cli.topology import (
 )
 from services.idle import IDLE_CHOICES, cpu_quota
 from services.logs import setup_logging
+from services.tls import tls_flags_problem
 
 log = logging.getLogger("berth.serve")
 
@@ -48,7 +51,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log.error("%s; nothing was started", exc)
         return 1
     with reservation:
-        return supervise(launch(plan), plan)
+        try:
+            return supervise(launch(plan), plan)
+        finally:
+            if plan.ready_files:
+                shutil.rmtree(plan.ready_files[0].parent, ignore_errors=True)
 
 
 def check_flags(args: argparse.Namespace) -> None:
@@ -73,6 +80,8 @@ def check_flags(args: argparse.Namespace) -> None:
             "Kubernetes CPU limits); the spinners would spend it and berth would "
             "be throttled: use --idle-cpus sleep here, or lift the quota"
         )
+    if problem := tls_flags_problem(args):
+        raise ValueError(problem)
     for flag, count in (
         ("--engines", args.engines),
         ("--gateways", args.gateways),
@@ -99,6 +108,8 @@ def launch(plan: Plan) -> Supervisor:
         # Gateways share --port, and every child binds next to serve's hold
         # on its port (services/cli/ports.py): SO_REUSEPORT.
         child.env["BERTH_REUSE_PORT"] = "1"
+    if args.tls_cert:
+        plan.ready_files = ready_files(children)
     if args.cpu_affinity == "spread":
         pin_children(children, plan.gpus)
     if args.idle_cpus == "spin":
@@ -114,7 +125,7 @@ def supervise(supervisor: Supervisor, plan: Plan) -> int:
     them all on a signal or when one cannot start; returns the exit code."""
     gateway = plan.gateway
     while not supervisor.stopping:
-        if not supervisor.served and health_status(gateway, timeout=1.0) == "SERVING":
+        if not supervisor.served and gateway_serving(plan):
             hint = try_hint(Path(plan.args.model_repository), gateway)
             print(f"berth is serving on {gateway}{hint}", flush=True)
             supervisor.served = True
@@ -124,6 +135,27 @@ def supervise(supervisor: Supervisor, plan: Plan) -> int:
             return supervisor.stop() or 1
         time.sleep(0.2 if supervisor.served else 0.5)
     return supervisor.stop()
+
+
+def ready_files(children: list[Child]) -> list[Path]:
+    """With TLS, serve cannot call its gateways' health (it has no client
+    certificate they would take, nor their CA): each gateway marks its own
+    readiness in a file instead (services/server.py mark_ready)."""
+    folder = Path(tempfile.mkdtemp(prefix="berth-serve-ready-"))
+    files = []
+    for child in children:
+        if child.name.startswith("gateway"):
+            child.env["BERTH_READY_FILE"] = str(folder / child.name)
+            files.append(folder / child.name)
+    return files
+
+
+def gateway_serving(plan: Plan) -> bool:
+    """Whether a gateway serves: its health answers SERVING, or with TLS its
+    ready file exists."""
+    if plan.ready_files:
+        return any(path.exists() for path in plan.ready_files)
+    return health_status(plan.gateway, timeout=1.0) == "SERVING"
 
 
 def try_hint(repo: Path, gateway: str) -> str:
