@@ -83,7 +83,9 @@ async def serve(service: Any, work: Any) -> Any:
     await server.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            return await work(internal_pb2_grpc.EngineStub(channel))
+            return await asyncio.wait_for(
+                work(internal_pb2_grpc.EngineStub(channel)), 60
+            )
     finally:
         await server.stop(None)
 

@@ -21,8 +21,9 @@ import pytest
 
 from engine.service import EngineService
 from engine.torch_backend import TorchBackend
-from services.proto.berth.v1 import internal_pb2, internal_pb2_grpc
+from services.proto.berth.v1 import internal_pb2
 from services.repository import ModelEntry
+from tests.engine.test_engine_streams import serve
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
@@ -118,20 +119,6 @@ BAD = {
         "engine does not serve model 'nope' (it serves tiny)",
     ),
 }
-
-
-async def serve(service: EngineService, work: Any) -> Any:
-    server = grpc.aio.server()
-    internal_pb2_grpc.add_EngineServicer_to_server(service, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            return await asyncio.wait_for(
-                work(internal_pb2_grpc.EngineStub(channel)), 60
-            )
-    finally:
-        await server.stop(None)
 
 
 async def timed(call: Any, message: internal_pb2.Batch) -> tuple[float, Any]:
