@@ -28,7 +28,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
 from services.tls import TlsFiles, describe_certificate, tls_flags_problem
-from tests.stack import free_ports
+from tests.stack import Stack, free_ports, health
 from tests.test_gateways import Service
 
 NO_BATCHER = ("--batcher", "127.0.0.1:1", "--startup-wait-s", "0")
@@ -296,3 +296,33 @@ def test_the_ready_file_follows_health(
     mark_ready(False)
     mark_ready(False)
     assert not ready.exists()
+
+
+def test_berth_serve_with_mutual_tls_serves_a_client_with_its_certificate(
+    repository: Path, pki: Pki
+) -> None:
+    """The whole stack with mutual TLS on its public port: `berth serve`
+    sees its gateway ready (it cannot call it in plaintext), a client with
+    the CA's certificate is answered by the engines (not the fallback), and a
+    plaintext caller is not."""
+    stack = Stack(
+        repository,
+        extra_args=[
+            *("--tls-cert", str(pki.folder / "server.pem")),
+            *("--tls-key", str(pki.folder / "server.key")),
+            *("--tls-client-ca", str(pki.folder / "ca.pem")),
+        ],
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while "berth is serving on" not in stack.logs():
+            assert stack.proc.poll() is None, stack.logs()
+            assert time.monotonic() < deadline, stack.logs()
+            time.sleep(0.25)
+        with grpc.secure_channel(stack.gateway, trusting(pki, pki.client)) as channel:
+            reply = berth_pb2_grpc.BerthStub(channel).Embed(EMBED, timeout=60)
+        assert len(reply.embeddings[0].values) == 384 and not reply.degraded
+        assert health(stack.gateway) == "UNREACHABLE"  # plaintext
+    finally:
+        code = stack.stop()
+    assert code == 0, stack.logs()
