@@ -18,6 +18,17 @@ import numpy as np
 from benchmarks.batcher_common import CHUNK, POLICY, _core_c, _core_py, sample_lengths
 
 
+def _drained(next_batch: Callable[..., Any], n: int, rows: int, start: float) -> float:
+    """Flush what is still queued (every deadline passed), check that all
+    ``n`` sequences came out, and return the thread's CPU seconds since
+    ``start``."""
+    while (batch := next_batch(n * 1e-6 + 1.0, True)) is not None:
+        rows += batch.size
+    elapsed = time.thread_time() - start
+    assert rows == n, (rows, n)
+    return elapsed
+
+
 def run_core(make: Callable[[], Any], pool: list[array[int]], n: int) -> float:
     """Seconds to push ``n`` sequences and drain every batch."""
     core = make()
@@ -33,11 +44,7 @@ def run_core(make: Callable[[], Any], pool: list[array[int]], n: int) -> float:
             push(seq_id, tokens, now)
         while (batch := next_batch(now)) is not None:
             rows += batch.size
-    while (batch := next_batch(n * 1e-6 + 1.0, True)) is not None:
-        rows += batch.size
-    elapsed = time.thread_time() - start
-    assert rows == n, (rows, n)
-    return elapsed
+    return _drained(next_batch, n, rows, start)
 
 
 # A push_many message: all tokens back to back, n + 1 offsets.
@@ -73,11 +80,7 @@ def run_core_many(make: Callable[[], Any], messages: list[Message], n: int) -> f
         push_many(ids[first : first + count], tokens, offsets, now)
         while (batch := next_batch(now)) is not None:
             rows += batch.size
-    while (batch := next_batch(n * 1e-6 + 1.0, True)) is not None:
-        rows += batch.size
-    elapsed = time.thread_time() - start
-    assert rows == n, (rows, n)
-    return elapsed
+    return _drained(next_batch, n, rows, start)
 
 
 def run_loop_only(pool: list[array[int]], n: int) -> float:
