@@ -5,6 +5,7 @@ itself and sends straight to the engines (gateway.inline.DirectWhenIdle)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import time
@@ -59,9 +60,19 @@ def embed(stub: berth_pb2_grpc.BerthStub, text: str) -> berth_pb2.EmbedResponse:
 
 
 def test_an_idle_gateways_requests_go_straight_to_the_engines(hybrid: Stack) -> None:
-    before = counts(hybrid)
     with grpc.insecure_channel(hybrid.gateway) as channel:
         stub = berth_pb2_grpc.BerthStub(channel)
+        # The gateway is SERVING through the batcher before its own streams
+        # to the engines are up: wait until a request goes direct.
+        deadline = time.monotonic() + 30
+        for attempt in itertools.count():  # distinct texts: no cache hit
+            warm = counts(hybrid)["direct"]
+            assert not embed(stub, f"warming the direct route {attempt}").degraded
+            if counts(hybrid)["direct"] > warm:
+                break
+            assert time.monotonic() < deadline, "no request went direct in 30 s"
+            time.sleep(0.25)
+        before = counts(hybrid)
         for i in range(12):
             assert not embed(stub, f"one at a time, number {i}").degraded
     after = counts(hybrid)
