@@ -9,6 +9,7 @@ from batcher.core import IMPLEMENTATION
 from batcher.local import LocalBatcher
 from batcher.options import add_scheduler_flags, scheduler_config
 from batcher.service import BatcherService
+from services import internal_tls
 from services.config import DEFAULT_BATCHER_PORT, add_flag, gpu_buckets_flag
 from services.loop import freeze_startup_heap, run
 from services.process import service_parser, start_service
@@ -41,6 +42,7 @@ async def main(args: argparse.Namespace) -> None:
         "batcher",
         f"{args.host}:{args.port}",
         [internal_pb2.DESCRIPTOR.services_by_name["Batcher"].full_name],
+        credentials=internal_tls.server_credentials(),
     )
     internal_pb2_grpc.add_BatcherServicer_to_server(
         BatcherService(batcher), server.server

@@ -31,7 +31,7 @@ class EngineClient(
     """One engine: a Run stream multiplexed by batch id, reconnected on loss."""
 
     def __init__(self, address: str, on_change: Callable[[], None]) -> None:
-        super().__init__(address)
+        super().__init__(address, internal_pb2_grpc.EngineStub)
         self.models: set[str] = set()
         # Per model, as its Info told: (vocabulary size, max tokens), each 0
         # when not told (an engine of an older version).
@@ -48,7 +48,6 @@ class EngineClient(
         self.failures_before_reconnect = 0
         self.gpu_utilization: float | None = None
         self._on_change = on_change
-        self._stub = internal_pb2_grpc.EngineStub(self.channel)
 
     @property
     def healthy(self) -> bool:

@@ -11,6 +11,7 @@ from engine.backend import Backend
 from engine.backends_by_model import ModelRouter, create_model_router
 from engine.cuda.graphs import bucket_shapes
 from engine.service import EngineService
+from services import internal_tls
 from services.config import DEFAULT_ENGINE_PORT, add_flag
 from services.loop import freeze_startup_heap, run
 from services.process import service_parser, start_service
@@ -56,6 +57,7 @@ async def main(args: argparse.Namespace) -> None:
         "engine",
         f"{args.host}:{args.port}",
         [internal_pb2.DESCRIPTOR.services_by_name["Engine"].full_name],
+        credentials=internal_tls.server_credentials(),
     )
     # Each model's repository entry picks its backend; --backend is the
     # fallback for one that cannot start here.

@@ -143,8 +143,7 @@ class BatcherClient(
     """Sends tokenized sequences to the batcher and awaits their outputs."""
 
     def __init__(self, address: str) -> None:
-        super().__init__(address)
-        self._stub = internal_pb2_grpc.BatcherStub(self.channel)
+        super().__init__(address, internal_pb2_grpc.BatcherStub)
         self._ids = itertools.count(1)
         self.ready = asyncio.Event()
         # Called with True / False each time the stream comes up / goes down.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 
+from services import internal_tls
 from services.config import (
     DEFAULT_KEEPALIVE_TIME_MS,
     DEFAULT_KEEPALIVE_TIMEOUT_MS,
@@ -165,8 +166,15 @@ def server_options(
 
 
 def aio_channel(target: str) -> grpc.aio.Channel:
-    """An insecure asyncio channel to another berth service."""
-    return grpc.aio.insecure_channel(target, options=channel_options())
+    """An asyncio channel to another berth service: mutual TLS with this
+    process's internal certificate when it has one (services/internal_tls.py),
+    else plaintext."""
+    if internal_tls.current() is None:
+        return grpc.aio.insecure_channel(target, options=channel_options())
+    credentials, options = internal_tls.channel_credentials()
+    return grpc.aio.secure_channel(
+        target, credentials, options=[*channel_options(), *options]
+    )
 
 
 def sync_channel(

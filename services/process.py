@@ -7,7 +7,9 @@ from __future__ import annotations
 import argparse
 import logging
 
+from services import internal_tls
 from services.config import add_flag, repository_flag
+from services.internal_tls import add_internal_tls_flags
 from services.logs import setup_logging
 from services.metrics import serve_metrics
 from services.telemetry import setup_tracing
@@ -20,7 +22,7 @@ def service_parser(
 ) -> argparse.ArgumentParser:
     """``python -m <service>``'s parser with the flags every service takes
     (--host, --port, --metrics-port, --metrics-host, --drain-timeout-s,
-    --model-repository),
+    --model-repository, --internal-tls-*),
     each defaulting to its BERTH_* variable, then to the value given here."""
     parser = argparse.ArgumentParser(
         prog=f"python -m {service}", description=description
@@ -41,14 +43,16 @@ def service_parser(
         "on SIGTERM, how long in-flight work may take",
     )
     repository_flag(parser)
+    add_internal_tls_flags(parser)
     return parser
 
 
 def start_service(service: str, args: argparse.Namespace) -> logging.Logger:
-    """A service process's logging (BERTH_LOG_LEVEL), OTLP tracing (OTEL_*)
-    and Prometheus /metrics on --metrics-host:--metrics-port; returns its
-    logger."""
+    """A service process's logging (BERTH_LOG_LEVEL), OTLP tracing (OTEL_*),
+    Prometheus /metrics on --metrics-host:--metrics-port and the internal
+    hops' TLS (--internal-tls-*); returns its logger."""
     log = setup_logging(service)
+    internal_tls.configure(args)
     setup_tracing(service)
     serve_metrics(service, args.metrics_host, args.metrics_port)
     return log

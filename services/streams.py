@@ -21,6 +21,7 @@ from typing import Any, Generic, TypeVar
 import grpc
 from google.protobuf.message import DecodeError
 
+from services import internal_tls
 from services.channels import aio_channel
 from services.errors import BerthError, InvalidInput, Unavailable, abort
 
@@ -41,6 +42,9 @@ RECONNECT_JITTER = 0.2  # each wait is spread +-20% at random
 # afresh. (One that failed sooner counts as a failure in a row: a peer that
 # accepts each stream and drops it at once is backed off too.)
 STABLE_STREAM_S = 5.0
+# How often a client without a stream looks whether its internal TLS files
+# changed (services/internal_tls.py).
+TLS_RECHECK_S = 1.0
 # While a peer keeps failing, say so at most this often.
 FAILURE_LOG_EVERY_S = 60.0
 
@@ -61,9 +65,15 @@ def reconnect_delay(
 class StreamClient(Generic[Out, In, Item]):
     """One peer: a bidi stream whose answers resolve futures by id."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, stub: Callable[[grpc.aio.Channel], Any]) -> None:
+        """A client of ``address``; ``stub`` makes the generated stub of its
+        service over a channel (``self._stub``)."""
         self.address = address
+        self._make_stub = stub
+        self._tls_stamp = internal_tls.stamp()
         self.channel = aio_channel(address)
+        self._stub: Any = stub(self.channel)
+        self._tls_task: asyncio.Task[None] | None = None
         self._pending: dict[int, asyncio.Future[Item]] = {}
         self._outbox: asyncio.Queue[Out | None] | None = None
         self._task: asyncio.Task[None] | None = None
@@ -108,12 +118,15 @@ class StreamClient(Generic[Out, In, Item]):
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._connect_forever())
+        if internal_tls.current() is not None:
+            self._tls_task = asyncio.create_task(self._watch_tls())
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in (self._task, self._tls_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         self._outbox = None  # (a send now is refused, not queued for nobody)
         self._fail_pending("client closed")
         await self.channel.close()
@@ -159,6 +172,12 @@ class StreamClient(Generic[Out, In, Item]):
                 reason = "stream ended"
             except grpc.aio.AioRpcError as exc:
                 reason = f"{exc.code().name}: {exc.details()}"
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is None or task.cancelling():
+                    raise  # (close())
+                # A call on a channel _watch_tls closed: grpc.aio cancels it.
+                reason = "its channel was replaced"
             except Exception as exc:  # (an answer it cannot read, a bug)
                 unexpected = exc
                 reason = f"stream failed: {exc!r}"
@@ -224,7 +243,43 @@ class StreamClient(Generic[Out, In, Item]):
                 "no stream to %s (%s); retrying with back-off", self.address, reason
             )
 
+    async def _renew_channel(self) -> None:
+        """A new channel (and stub) when the internal TLS files changed since
+        the channel was made: its next handshake would present the old
+        certificate and trust the old CA. A stream that is up keeps its
+        connection; this runs before each (re)connect."""
+        stamp = internal_tls.stamp()
+        if not stamp or stamp == self._tls_stamp:
+            return
+        try:
+            channel = aio_channel(self.address)
+        except OSError as exc:  # half-written: the next try reads it again
+            log.warning(
+                "stream to %s: cannot read the internal TLS files: %s",
+                self.address,
+                exc,
+            )
+            return
+        old, self.channel = self.channel, channel
+        self._stub, self._tls_stamp = self._make_stub(channel), stamp
+        log.info(
+            "stream to %s: internal TLS files changed: connecting with them",
+            self.address,
+        )
+        await old.close()
+
+    async def _watch_tls(self) -> None:
+        """While no stream is up, renew the channel as soon as the internal
+        TLS files change: closing the old channel ends a connection attempt
+        that waits on it (a handshake the peer refuses is retried inside
+        the channel, under wait_for_ready, for ever)."""
+        while True:
+            await asyncio.sleep(TLS_RECHECK_S)
+            if not self.connected:
+                await self._renew_channel()
+
     async def _serve_stream(self) -> None:
+        await self._renew_channel()
         await self._handshake()
         outbox: asyncio.Queue[Out | None] = asyncio.Queue()
         call = self._open(_drain(outbox, self._merge))

@@ -32,8 +32,18 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-def health(address: str, service: str = "") -> str:
-    with grpc.insecure_channel(address) as channel:
+def health(
+    address: str,
+    service: str = "",
+    credentials: grpc.ChannelCredentials | None = None,
+) -> str:
+    """The health status ``address`` reports, dialled in plaintext or with
+    ``credentials`` (TLS); UNREACHABLE when the call fails."""
+    with (
+        grpc.secure_channel(address, credentials)
+        if credentials is not None
+        else grpc.insecure_channel(address)
+    ) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(
@@ -115,12 +125,18 @@ class Stack:
             stderr=subprocess.STDOUT,
         )
 
-    def wait_serving(self, timeout: float = 180.0) -> None:
+    def wait_serving(
+        self,
+        timeout: float = 180.0,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
+        """Until the gateway reports SERVING (asked with ``credentials``
+        where its public port takes TLS only)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"berth serve exited early:\n{self.logs()}")
-            if health(self.gateway) == "SERVING":
+            if health(self.gateway, credentials=credentials) == "SERVING":
                 return
             time.sleep(0.25)
         raise TimeoutError(f"gateway not SERVING after {timeout} s:\n{self.logs()}")

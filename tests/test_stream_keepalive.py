@@ -334,7 +334,7 @@ class Refused(StreamClient[bytes, bytes, bytes]):
     """A client whose every try is refused at once: nothing listens."""
 
     def __init__(self, address: str) -> None:
-        super().__init__(address)
+        super().__init__(address, lambda channel: None)
         self.tries: list[float] = []
 
     async def _handshake(self) -> None:

@@ -24,6 +24,7 @@ from services.config import (
     add_flag,
     repository_flag,
 )
+from services.internal_tls import add_internal_tls_flags
 from services.tls import add_client_tls_flags, add_tls_flags
 
 DESCRIPTION = "The ``berth`` command: serve, call a running gateway, build models."
@@ -64,7 +65,15 @@ def _serve_process_flags(serve: argparse.ArgumentParser) -> None:
         default=0,
         help="engine workers (default: one per GPU, else one per core, at most 4)",
     )
-    add_flag(serve, "host", "127.0.0.1", "address every service listens on")
+    add_flag(serve, "host", "127.0.0.1", "address the gateways listen on")
+    add_flag(
+        serve,
+        "internal-host",
+        "127.0.0.1",
+        "address the batchers and engines listen on: berth's internal hops, "
+        "kept on loopback whatever --host is (another address: protect the "
+        "hops with --internal-tls-*)",
+    )
     add_flag(serve, "port", DEFAULT_GATEWAY_PORT, "gateway port")
     add_flag(
         serve,
@@ -164,6 +173,7 @@ def _serve_runtime_flags(serve: argparse.ArgumentParser) -> None:
         "--chaos", action="store_true", help="engines take SIGUSR1 to fail batches"
     )
     add_tls_flags(serve)  # every gateway's
+    add_internal_tls_flags(serve)  # every process's
     repository_flag(serve)
 
 

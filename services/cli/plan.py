@@ -5,6 +5,8 @@ they will listen on."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import ipaddress
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +60,7 @@ class Plan:
         return (
             *("--model-repository", str(Path(self.args.model_repository))),
             *("--metrics-host", self.args.metrics_host),
+            *internal_tls_flags(self.args),
         )
 
     @property
@@ -82,7 +85,15 @@ class Plan:
         if not base:
             return "0"
         self.listeners.append(
-            Listener(child, "--metrics-port", base, offset, metrics=True)
+            Listener(
+                child,
+                "--metrics-port",
+                base,
+                offset,
+                metrics=True,
+                host=self.args.metrics_host,
+                host_flag="--metrics-host",
+            )
         )
         return str(base + offset)
 
@@ -116,8 +127,10 @@ def _engine(plan: Plan, i: int, engines: int) -> Child:
     of the CPU cores."""
     args = plan.args
     port = args.engine_port + i
-    plan.listeners.append(Listener(f"engine-{i}", "--engine-port", args.engine_port, i))
-    plan.engine_addresses.append(f"{args.host}:{port}")
+    plan.listeners.append(
+        internal(Listener(f"engine-{i}", "--engine-port", args.engine_port, i), args)
+    )
+    plan.engine_addresses.append(dial_address(args.internal_host, port))
     env: dict[str, str] = {}
     if plan.gpus:
         env["CUDA_VISIBLE_DEVICES"] = plan.devices[i % plan.gpus]
@@ -126,7 +139,8 @@ def _engine(plan: Plan, i: int, engines: int) -> Child:
         env["BERTH_TORCH_THREADS"] = str(max(1, cpus_available() // engines))
     argv = python_module(
         "engine",
-        *("--host", args.host, "--port", str(port), "--backend", args.backend),
+        *("--host", args.internal_host, "--port", str(port)),
+        *("--backend", args.backend),
         *("--device", "cuda:0" if plan.gpus else "cpu"),
         *("--metrics-port", plan.metrics_port(f"engine-{i}", 2 + i)),
         *("--chaos",) * args.chaos,
@@ -139,11 +153,13 @@ def _batcher(plan: Plan, name: str, i: int, metrics_offset: int) -> Child:
     """Batcher i, streaming to every engine."""
     args = plan.args
     port = args.batcher_port + i
-    plan.listeners.append(Listener(name, "--batcher-port", args.batcher_port, i))
-    plan.batcher_addresses.append(f"{args.host}:{port}")
+    plan.listeners.append(
+        internal(Listener(name, "--batcher-port", args.batcher_port, i), args)
+    )
+    plan.batcher_addresses.append(dial_address(args.internal_host, port))
     argv = python_module(
         "batcher",
-        *("--host", args.host, "--port", str(port)),
+        *("--host", args.internal_host, "--port", str(port)),
         *("--engines", ",".join(plan.engine_addresses)),
         *("--metrics-port", plan.metrics_port(name, metrics_offset)),
         *plan.batching,
@@ -187,6 +203,44 @@ def _gateway(plan: Plan, name: str, i: int, metrics_offset: int) -> Child:
         *plan.common,
     )
     return Child(name, argv)
+
+
+def internal(listener: Listener, args: argparse.Namespace) -> Listener:
+    """``listener`` on the internal host (--internal-host)."""
+    return dataclasses.replace(
+        listener, host=args.internal_host, host_flag="--internal-host"
+    )
+
+
+def dial_address(host: str, port: int) -> str:
+    """The address a sibling process dials to reach a listener on ``host``:
+    loopback for a wildcard (every interface includes it), brackets around
+    an IPv6 address."""
+    name = host.strip("[]")
+    try:
+        ip = ipaddress.ip_address(name)
+    except ValueError:
+        return f"{name}:{port}"  # a host name
+    if ip.is_unspecified:
+        ip = ipaddress.ip_address("::1" if ip.version == 6 else "127.0.0.1")
+    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+
+
+def internal_tls_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    """Every child's --internal-tls-* flags, serve's own ('' too, as for
+    tls_flags)."""
+    return (
+        *(
+            item
+            for flag, path in (
+                ("--internal-tls-cert", args.internal_tls_cert),
+                ("--internal-tls-key", args.internal_tls_key),
+                ("--internal-tls-ca", args.internal_tls_ca),
+            )
+            for item in (flag, path and os.path.abspath(path))
+        ),
+        *("--internal-tls-server-name", args.internal_tls_server_name),
+    )
 
 
 def tls_flags(args: argparse.Namespace) -> tuple[str, ...]:

@@ -42,6 +42,10 @@ class Listener:
     base: int
     offset: int = 0
     metrics: bool = False  # a /metrics port (else a gRPC one)
+    # The address it listens on, and the flag that says so ('': the host
+    # reserve_ports is given, --host).
+    host: str = ""
+    host_flag: str = "--host"
 
     @property
     def port(self) -> int:
@@ -100,12 +104,14 @@ class PortReservation:
 
 
 def _free_addresses(host: str, listener: Listener) -> list[tuple[int, Address]]:
-    """The addresses the listener's child will listen on, each free to a test
-    bind; raises PortUnavailable naming the port and its flag."""
+    """The addresses the listener's child will listen on (at its own host,
+    else ``host``), each free to a test bind; raises PortUnavailable naming
+    the port and its flag."""
+    host = listener.host or host
     try:
         addresses = listen_addresses(host, listener.port)
     except socket.gaierror as exc:
-        message = f"--host {host}: cannot resolve it ({exc.strerror})"
+        message = f"{listener.host_flag} {host}: cannot resolve it ({exc.strerror})"
         raise PortUnavailable(message) from exc
     free = []
     for family, address, required in addresses:
@@ -122,7 +128,7 @@ def _free_addresses(host: str, listener: Listener) -> list[tuple[int, Address]]:
             if required:
                 raise PortUnavailable(
                     f"{listener}: cannot listen on {address[0]} ({exc.strerror}): "
-                    f"check --host and {listener.flag}"
+                    f"check {listener.host_flag} and {listener.flag}"
                 ) from exc
             continue  # the wildcard of a family that is off here
         free.append((family, address))

@@ -27,6 +27,7 @@ from services.cli.topology import (
     spinners,
 )
 from services.idle import IDLE_CHOICES, cpu_quota
+from services.internal_tls import internal_tls_problem
 from services.logs import setup_logging
 from services.tls import tls_flags_problem
 
@@ -80,7 +81,7 @@ def check_flags(args: argparse.Namespace) -> None:
             "Kubernetes CPU limits); the spinners would spend it and berth would "
             "be throttled: use --idle-cpus sleep here, or lift the quota"
         )
-    if problem := tls_flags_problem(args):
+    if problem := tls_flags_problem(args) or internal_tls_problem(args):
         raise ValueError(problem)
     for flag, count in (
         ("--engines", args.engines),

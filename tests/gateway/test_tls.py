@@ -6,103 +6,27 @@ connections without a restart. (No batcher: the CPU fallback answers.)"""
 from __future__ import annotations
 
 import argparse
-import datetime
-import ipaddress
 import json
-import os
 import socket
 import ssl
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
 from services.tls import TlsFiles, describe_certificate, tls_flags_problem
+from tests.pki import Issued, Pki, issue
 from tests.stack import Stack, free_ports, health
 from tests.test_gateways import Service
 
 NO_BATCHER = ("--batcher", "127.0.0.1:1", "--startup-wait-s", "0")
 EMBED = berth_pb2.EmbedRequest(model="minilm", texts=["over TLS"])
-
-
-@dataclass
-class Issued:
-    cert: x509.Certificate
-    key: ec.EllipticCurvePrivateKey
-
-    @property
-    def cert_pem(self) -> bytes:
-        return self.cert.public_bytes(serialization.Encoding.PEM)
-
-    @property
-    def key_pem(self) -> bytes:
-        return self.key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-
-
-def issue(name: str, ca: Issued | None = None, *, server: bool = False) -> Issued:
-    """A certificate for ``name``: a CA's own (``ca`` None), else signed by
-    ``ca``, for 127.0.0.1 and localhost when ``server``."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    now = datetime.datetime.now(datetime.UTC)
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(ca.cert.subject if ca else subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=ca is None, path_length=None), True)
-    )
-    if server:
-        builder = builder.add_extension(
-            x509.SubjectAlternativeName(
-                [
-                    x509.DNSName("localhost"),
-                    x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-                ]
-            ),
-            critical=False,
-        ).add_extension(
-            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False
-        )
-    elif ca is not None:
-        builder = builder.add_extension(
-            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
-        )
-    return Issued(builder.sign(ca.key if ca else key, hashes.SHA256()), key)
-
-
-@dataclass
-class Pki:
-    folder: Path
-    ca: Issued
-    server: Issued
-    client: Issued
-    other_ca: Issued
-    other_client: Issued
-
-    def write(self, name: str, data: bytes) -> str:
-        path = self.folder / name
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)  # as a rotation tool replaces a file
-        return str(path)
 
 
 @pytest.fixture(scope="module")

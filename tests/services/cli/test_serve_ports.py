@@ -21,6 +21,8 @@ import pytest
 from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2_grpc
 
+from services.cli.parser import build_parser
+from services.cli.plan import dial_address, plan_stack
 from services.cli.ports import Listener, PortUnavailable, reserve_ports
 from tests.stack import ROOT, Stack, _free_run, free_ports, health, pid_listening
 
@@ -245,3 +247,50 @@ def test_a_gateway_own_port_in_the_environment_does_not_reach_serves_gateways(
     started = [line for line in out.splitlines() if "started gateway-" in line]
     assert len(started) >= 2, out  # (then restarted: the repository is empty)
     assert all("--own-port 0 " in line for line in started), out
+
+
+@pytest.mark.parametrize(
+    ("host", "dialled"),
+    [
+        ("127.0.0.1", "127.0.0.1:50060"),
+        ("0.0.0.0", "127.0.0.1:50060"),  # a wildcard: dialled on loopback
+        ("::", "[::1]:50060"),
+        ("[::1]", "[::1]:50060"),
+        ("10.1.2.3", "10.1.2.3:50060"),
+        ("berth.internal", "berth.internal:50060"),
+    ],
+)
+def test_siblings_dial_an_internal_listener_where_they_can_reach_it(
+    host: str, dialled: str
+) -> None:
+    assert dial_address(host, 50060) == dialled
+
+
+def test_batchers_and_engines_listen_on_the_internal_host() -> None:
+    """--host opens the gateways' port; the batchers and engines listen on
+    --internal-host (loopback by default), are checked there, and the
+    gateways and batchers dial them there."""
+    args = build_parser().parse_args(
+        ["serve", "--host", "0.0.0.0", "--engines", "2", "--device", "cpu"]
+    )
+    plan = plan_stack(args, devices=[])
+    hosts = {
+        child.name: child.argv[child.argv.index("--host") + 1]
+        for child in plan.children
+    }
+    assert hosts == {
+        "engine-0": "127.0.0.1",
+        "engine-1": "127.0.0.1",
+        "batcher": "127.0.0.1",
+        "gateway": "0.0.0.0",
+    }
+    internal = [listener for listener in plan.listeners if listener.flag != "--port"]
+    assert internal and all(
+        (listener.host, listener.host_flag)
+        in (("127.0.0.1", "--internal-host"), ("127.0.0.1", "--metrics-host"))
+        for listener in internal
+    )
+    assert plan.batcher_addresses == [f"127.0.0.1:{args.batcher_port}"]
+    assert plan.engine_addresses == [
+        f"127.0.0.1:{args.engine_port + i}" for i in range(2)
+    ]
