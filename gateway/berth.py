@@ -53,6 +53,16 @@ def embeddings_wire(vectors: np.ndarray, counts: list[int]) -> bytes:
     return b"".join(parts)
 
 
+def packed_floats(field: int, values: np.ndarray) -> bytes:
+    """Packed repeated float field number ``field`` holding ``values`` (as
+    float32, flattened), in protobuf wire format: merged into its message
+    with one parse in C. (Extending the field from a list of Python floats
+    takes 2.6 ms for 256 x 384 values on the dev machine, on the event
+    loop; this and the merge 0.03.)"""
+    data = np.ascontiguousarray(values, dtype="<f4").tobytes()
+    return b"".join((_varint(field << 3 | 2), _varint(len(data)), data))
+
+
 def tokenize_response(model: Model, texts: list[str]) -> berth_pb2.TokenizeResponse:
     """The answer to a Tokenize call; raises InvalidInput."""
     return berth_pb2.TokenizeResponse(

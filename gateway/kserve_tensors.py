@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gateway.berth import packed_floats
 from gateway.echo import quoted
 from gateway.pipeline import Model
 from services.errors import InvalidInput
@@ -39,6 +40,8 @@ TEXT, EMBEDDING, PROBABILITIES, LABEL = "TEXT", "EMBEDDING", "PROBABILITIES", "L
 # Request parameters tritonclient may set that change nothing here.
 IGNORED_PARAMETERS = {"priority"}
 CONTRACT = "TEXT (BYTES, shape [N], one text per element)"
+# InferTensorContents.fp32_contents: its field number.
+FP32_CONTENTS = pb.InferTensorContents.DESCRIPTOR.fields_by_name["fp32_contents"].number
 
 
 def outputs_of(model: Model) -> list[tuple[str, str, list[int]]]:
@@ -262,7 +265,7 @@ def shape_outputs(
         if call.binary:
             response.raw_output_contents.append(values.tobytes())
         else:
-            tensor.contents.fp32_contents.extend(values.ravel().tolist())
+            tensor.contents.MergeFromString(packed_floats(FP32_CONTENTS, values))
     return response
 
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tritonclient.grpc import service_pb2 as kserve_pb2
 
 from gateway.batcher_client import merge_messages
-from gateway.berth import embeddings_wire
+from gateway.berth import embeddings_wire, packed_floats
 from services.proto.berth.v1 import berth_pb2, internal_pb2
 
 
@@ -39,6 +40,27 @@ def test_float64_vectors_are_sent_as_float32() -> None:
     merged = berth_pb2.EmbedResponse()
     merged.MergeFromString(embeddings_wire(vectors, [3]))
     assert list(merged.embeddings[0].values) == [0.5, -1.25]
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (1, 1), (3, 157), (0, 4)])
+def test_packed_floats_equal_protobuf_serialization(shape: tuple[int, int]) -> None:
+    # (tritonclient's stubs of the KServe messages: this process imports no
+    # others, see tests/gateway/test_kserve.py)
+    contents = kserve_pb2.InferTensorContents
+    field = contents.DESCRIPTOR.fields_by_name["fp32_contents"].number
+    values = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+    built = contents(fp32_contents=values.ravel().tolist())
+    merged = contents()
+    merged.MergeFromString(packed_floats(field, values))
+    assert merged.SerializeToString() == built.SerializeToString()
+    np.testing.assert_array_equal(np.array(merged.fp32_contents), values.ravel())
+
+
+def test_packed_floats_of_float64_and_of_a_two_byte_tag() -> None:
+    merged = berth_pb2.Embedding()
+    merged.MergeFromString(packed_floats(1, np.array([0.5, -2.0])))
+    assert list(merged.values) == [0.5, -2.0]
+    assert packed_floats(16, np.zeros(1))[:2] == bytes([0x82, 0x01])
 
 
 def _request(first_id: int, texts: int, tokens: int) -> internal_pb2.GatewayMessage:
