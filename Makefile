@@ -9,21 +9,35 @@ REPO   ?= model_repository
 # would pull a multi-GB CUDA build); machines with an NVIDIA driver get the
 # default build.
 TORCH_CPU ?= torch==2.13.0
+# Every install takes its versions from constraints.txt, the build of berth
+# too (--build-constraint: the grpcio-tools that generates the stubs).
+PINNED := -c constraints.txt --build-constraint constraints.txt
 
-.PHONY: run test lint venv models bench mutations clean
+.PHONY: run test lint venv models bench mutations constraints clean
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml setup.py protos/berth/v1/*.proto batcher/_core_c.pyx
+$(VENV)/.installed: pyproject.toml setup.py constraints.txt protos/berth/v1/*.proto batcher/_core_c.pyx
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt --upgrade pip setuptools
 	if command -v nvidia-smi >/dev/null 2>&1; then \
-	  $(PY) -m pip install -q 'torch>=2.11'; \
+	  $(PY) -m pip install -q $(PINNED) torch; \
 	else \
-	  $(PY) -m pip install -q $(TORCH_CPU); \
+	  $(PY) -m pip install -q $(PINNED) $(TORCH_CPU); \
 	fi
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q $(PINNED) -e '.[dev]'
 	touch $@
+
+# Re-resolve constraints.txt from nothing: the newest releases pyproject.toml's
+# floors allow (scripts/constraints.py, with the newest pip in a venv of its
+# own, so that floors raised past the old pins are no obstacle). Then
+# `make test` installs them.
+CONSTRAINTS_VENV := build/constraints-venv
+constraints:
+	rm -rf $(CONSTRAINTS_VENV)
+	python3 -m venv $(CONSTRAINTS_VENV)
+	$(CONSTRAINTS_VENV)/bin/python -m pip install -q --upgrade pip
+	$(CONSTRAINTS_VENV)/bin/python scripts/constraints.py $(TORCH_CPU)
 
 models: $(REPO)/minilm/fallback.safetensors
 
