@@ -10,4 +10,12 @@ it parses the arguments and runs the phases in order):
   CPU and /metrics readings;
 - steps: phases 2 and 3 on one stack, the rate steps and the cache hits;
 - report: the printed tables and summary, and the JSON written with --out.
+
+benchmarks/tls.py uses the same load generator and stacks, and two pieces of
+its own:
+
+- certs: the certificates it makes in the run, and what each mode (plaintext,
+  TLS, mutual TLS) serves and dials with;
+- probes: connection setup (fresh channels to their first answer) and the
+  closed-loop capacity.
 """

@@ -2,10 +2,11 @@
 requests over berth's API, unary (an Embed call each) or on berth's bidi
 Stream, and what a step's answers come to.
 
-Each client process gets a Plan (its texts and when to send each), connects,
-waits for the common start, then sends every text at its time whatever the
-answers do. A request's latency is counted from its scheduled send time, so
-a late client cannot hide queueing (no coordinated omission).
+Each client process gets a Plan (its texts and when to send each), connects
+(plaintext, or TLS with the Plan's ClientTls), waits for the common start,
+then sends every text at its time whatever the answers do. A request's
+latency is counted from its scheduled send time, so a late client cannot
+hide queueing (no coordinated omission).
 """
 
 from __future__ import annotations
@@ -20,6 +21,35 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+
+@dataclass(frozen=True)
+class ClientTls:
+    """PEM bytes a client dials with TLS: the CA it trusts, and for mutual
+    TLS its own certificate chain and key."""
+
+    root: bytes
+    chain: bytes | None = None
+    key: bytes | None = None
+
+    def credentials(self) -> Any:
+        """gRPC channel credentials (sync and asyncio channels alike)."""
+        import grpc
+
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.root,
+            private_key=self.key,
+            certificate_chain=self.chain,
+        )
+
+
+def dial(target: str, tls: ClientTls | None, options: list[Any]) -> Any:
+    """An asyncio channel to ``target``: plaintext, or TLS with ``tls``."""
+    import grpc
+
+    if tls is None:
+        return grpc.aio.insecure_channel(target, options=options)
+    return grpc.aio.secure_channel(target, tls.credentials(), options=options)
 
 
 @dataclass
@@ -40,6 +70,7 @@ class Plan:
     # the connections are spread over them instead of going to ``address``.
     spread: list[str] = field(default_factory=list)
     client: int = 0  # this client's index among the step's clients
+    tls: ClientTls | None = None  # None: plaintext
 
 
 def connection_targets(plan: Plan) -> list[str]:
@@ -98,18 +129,13 @@ def client_main(plan: Plan, ready: Any, go: Any, start_at: Any, results: Any) ->
 
 
 async def _client(plan: Plan, ready: Any, go: Any, start_at: Any) -> Answer:
-    import grpc
-
     from services.channels import channel_options
     from services.proto.berth.v1 import berth_pb2_grpc
 
     # Several connections, used in turn: `berth serve --gateways N` runs N
     # processes on one port and the kernel spreads connections, not calls.
     options = [*channel_options(), ("grpc.use_local_subchannel_pool", 1)]
-    channels = [
-        grpc.aio.insecure_channel(target, options=options)
-        for target in connection_targets(plan)
-    ]
+    channels = [dial(target, plan.tls, options) for target in connection_targets(plan)]
     stubs = [berth_pb2_grpc.BerthStub(ch) for ch in channels]
     async with contextlib.AsyncExitStack() as stack:
         for ch in channels:

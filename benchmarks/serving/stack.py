@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 from benchmarks.machine import cpu_model
 
 if TYPE_CHECKING:  # imported where used: `e2e.py --help` needs no grpc
+    import grpc
+
     from tests.stack import Stack
 
 
@@ -89,11 +91,16 @@ class Target:
 
 
 @contextlib.contextmanager
-def running(stack: Stack, timeout: float = 180.0) -> Iterator[Stack]:
-    """``stack`` once its gateway serves; stopped after, however the block
+def running(
+    stack: Stack,
+    timeout: float = 180.0,
+    credentials: grpc.ChannelCredentials | None = None,
+) -> Iterator[Stack]:
+    """``stack`` once its gateway serves (asked with ``credentials`` where
+    its public port takes TLS only); stopped after, however the block
     ends."""
     try:
-        stack.wait_serving(timeout)
+        stack.wait_serving(timeout, credentials)
         yield stack
     finally:
         stack.stop()
@@ -101,15 +108,21 @@ def running(stack: Stack, timeout: float = 180.0) -> Iterator[Stack]:
 
 @contextlib.contextmanager
 def target(
-    profile: Profile, repository: Path, address: str | None, spread_over: str
+    profile: Profile,
+    repository: Path,
+    address: str | None,
+    spread_over: str,
+    credentials: grpc.ChannelCredentials | None = None,
 ) -> Iterator[Target]:
     """The gateway at ``address`` (its own ones listed in ``spread_over``,
     comma-separated), or else a stack started as ``profile`` says, serving
-    ``repository``, stopped after."""
+    ``repository``, stopped after. ``credentials``: what a client dials a
+    stack with TLS on its public port with (``profile.serve_args`` has the
+    --tls-* flags)."""
     if address is not None:
         yield Target(address, [a for a in spread_over.split(",") if a])
         return
-    with running(start(profile, repository)) as stack:
+    with running(start(profile, repository), credentials=credentials) as stack:
         yield Target(stack.gateway, stack.own_gateways, stack.metrics, stack.proc.pid)
 
 

@@ -51,9 +51,7 @@ def serve_and_measure(
                 api=args.api,
                 spread=to.spread,
             )
-            clients = args.clients or max(
-                1, min(math.ceil(rate / 2500), (os.cpu_count() or 1) // 4)
-            )
+            clients = clients_for(rate, args.clients)
             steps.append(run_step(f"served {i + 1}", load, rate, clients, i, to))
             print(table_row(steps[-1]), flush=True)
         # 3. The cache hit path: step 1's texts, sent once to warm the cache
@@ -73,6 +71,12 @@ def serve_and_measure(
         )
         print(table_row(steps[-1]), flush=True)
     return steps
+
+
+def clients_for(rate: float, given: int) -> int:
+    """Client processes for a step at ``rate``: ``given`` (--clients), or 1
+    per 2500 requests/s, at most 1 per 4 cores."""
+    return given or max(1, min(math.ceil(rate / 2500), (os.cpu_count() or 1) // 4))
 
 
 def run_step(
