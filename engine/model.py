@@ -1,4 +1,5 @@
-"""One servable model: encoder, pooling and (for classify) the head, as a module."""
+"""One servable model: encoder, pooling, Dense layers and (for classify) the
+head, as a module."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ from torch import nn
 from engine.encoder import Encoder, load_encoder
 from engine.heads import (
     ClassifierHead,
+    Dense,
     L2Normalize,
     load_classifier_head,
+    load_dense,
     make_pooling,
+    pooled_width,
 )
 from services.repository import ModelEntry, RepositoryError
 
@@ -22,9 +26,12 @@ log = logging.getLogger("berth.engine")
 class ServedModel(nn.Module):
     """A model entry as one module: (input_ids, lengths) -> float32 [B, width].
 
-    embed: the pooled embedding, not normalized (the gateway normalizes when
-    asked); width = hidden size. classify: pooled -> normalize (if the entry
-    says so) -> linear -> probabilities; width = number of labels.
+    embed: the pooled embedding through the entry's Dense layers, not
+    normalized (the gateway normalizes when asked); width = hidden size per
+    pooling mode, or the last Dense layer's out_features. classify: that,
+    then normalize (if the entry says so) -> linear -> probabilities; width =
+    number of labels. Everything after pooling is ``post`` (Identity when
+    there is nothing), which the fused CUDA forward applies as well.
     """
 
     def __init__(
@@ -33,14 +40,25 @@ class ServedModel(nn.Module):
         encoder: Encoder,
         head: ClassifierHead | None = None,
         labels: list[str] | None = None,
+        dense: list[Dense] | None = None,
+        skip: int = 0,
     ) -> None:
         super().__init__()
         self.name = entry.name
         self.task = entry.task
         self.encoder = encoder
-        self.pooling = make_pooling(entry.pooling)
-        self.post: nn.Module = nn.Identity()
-        self.width = encoder.hidden_size
+        self.pooling = make_pooling(entry.pooling, skip)
+        self.width = pooled_width(entry.pooling, encoder.hidden_size)
+        steps: list[nn.Module] = []
+        for layer in dense or []:
+            if layer.in_features != self.width:
+                raise RepositoryError(
+                    f"{entry.name}: a Dense layer takes {layer.in_features} "
+                    f"features, the step before it gives {self.width}"
+                )
+            steps.append(layer)
+            self.width = layer.out_features
+        self.post: nn.Module = nn.Sequential(*steps) if steps else nn.Identity()
         self.labels = labels or []
         if entry.task == "classify":
             if head is None:
@@ -51,8 +69,13 @@ class ServedModel(nn.Module):
                     f"{entry.name}: {len(self.labels)} labels for a head of "
                     f"{num_labels} outputs"
                 )
+            if head.linear.in_features != self.width:
+                raise RepositoryError(
+                    f"{entry.name}: head expects {head.linear.in_features} "
+                    f"features, the model gives {self.width}"
+                )
             norm: nn.Module = L2Normalize() if entry.normalize else nn.Identity()
-            self.post = nn.Sequential(norm, head)
+            self.post = nn.Sequential(*steps, norm, head)
             self.width = num_labels
 
     def forward(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -68,7 +91,8 @@ def load_served_model(
 ) -> ServedModel:
     """Load an entry's checkpoint (and head) onto ``device``.
 
-    The encoder runs in ``dtype``; pooling and the head always in float32.
+    The encoder runs in ``dtype``; pooling, Dense layers and the head always
+    in float32.
     """
     encoder = load_encoder(entry.checkpoint_dir, device=device, dtype=dtype)
     head = None
@@ -78,19 +102,17 @@ def load_served_model(
             raise RepositoryError(f"{entry.name}: a classify model needs a head")
         head = load_classifier_head(entry.path(entry.head))
         labels = entry.label_names()
-        hidden = encoder.hidden_size
-        if head.linear.in_features != hidden:
-            raise RepositoryError(
-                f"{entry.name}: head expects {head.linear.in_features} features, "
-                f"the encoder gives {hidden}"
-            )
-    model = ServedModel(entry, encoder, head, labels)
+    dense = [load_dense(entry.path(d)) for d in entry.dense]
+    skip = entry.pooling_skip()
+    model = ServedModel(entry, encoder, head, labels, dense, skip)
     model = model.to(device).eval().requires_grad_(False)
     log.info(
-        "model %s ready: task %s, pooling %s, width %d, on %s",
+        "model %s ready: task %s, pooling %s%s, %d Dense, width %d, on %s",
         entry.name,
         entry.task,
         entry.pooling,
+        f" (the prompt's {skip} tokens left out)" if skip else "",
+        len(dense),
         model.width,
         device,
     )

@@ -32,7 +32,7 @@ from services.errors import (
 )
 from services.fallback_model import FallbackError, FallbackModel
 from services.proto.berth.v1 import berth_pb2
-from services.repository import ModelEntry, checkpoint_shape
+from services.repository import ModelEntry
 from services.telemetry import inject, span_if_recording, tracer
 
 log = logging.getLogger("berth.gateway")
@@ -121,7 +121,7 @@ class Model:
         self.entry = entry
         self.encoder = TextEncoder(entry, limits)
         self.labels = entry.label_names()
-        self.dimension = checkpoint_shape(entry.checkpoint_dir)[1]
+        self.dimension = entry.output_width()
         self.fallback: FallbackModel | None
         try:
             self.fallback = FallbackModel.load(entry)

@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from tokenizers import Tokenizer
 
 from services.errors import InvalidInput
 from services.repository import ModelEntry
@@ -36,11 +35,13 @@ class TextEncoder:
         self.max_tokens = entry.max_tokens
         self.max_chars = entry.max_tokens * limits.chars_per_token
         self.max_texts = limits.max_texts
-        self.tokenizer = Tokenizer.from_file(str(entry.tokenizer_file))
         # We apply limits ourselves: the checkpoint's own truncation/padding
         # (all-MiniLM ships truncation at 128, padding to 128) must not apply.
-        self.tokenizer.no_truncation()
-        self.tokenizer.no_padding()
+        # Lowercasing, where the entry asks for it, is in its normalizer.
+        self.tokenizer = entry.tokenizer()
+        # Prepended to every text, as sentence-transformers' encode prepends
+        # the default prompt; its tokens count towards the limit.
+        self.prompt = entry.prompt
 
     def check_count(self, texts: list[str]) -> None:
         if not texts:
@@ -62,7 +63,7 @@ class TextEncoder:
                 if not truncate:
                     raise self._too_long(i, text, "shorten it or set options.truncate")
                 text = text[: self.max_chars]
-            prepared.append(text)
+            prepared.append(self.prompt + text)
         # encode_batch_fast: encode_batch's ids without the character offsets,
         # which berth never reads: one text of benchmarks/e2e.py's mix (~100
         # characters) takes 23.1 µs against encode's 27.2 on the dev
@@ -84,10 +85,11 @@ class TextEncoder:
                 )
             if len(ids) > self.max_tokens:
                 if not truncate:
+                    prompted = " (its prompt's included)" if self.prompt else ""
                     raise InvalidInput(
-                        f"texts[{i}] has {len(ids)} tokens, over the limit of "
-                        f"{self.max_tokens} for model {self.model!r}; shorten it or "
-                        "set options.truncate"
+                        f"texts[{i}] has {len(ids)} tokens{prompted}, over the "
+                        f"limit of {self.max_tokens} for model {self.model!r}; "
+                        "shorten it or set options.truncate"
                     )
                 # Keep the closing special token ([SEP] / </s>).
                 ids = np.concatenate([ids[: self.max_tokens - 1], ids[-1:]])
@@ -95,16 +97,18 @@ class TextEncoder:
         return out
 
     def tokens(self, texts: list[str]) -> list[tuple[list[int], list[str]]]:
-        """Ids and token strings per text, [CLS] ... [SEP]. A text over the
-        token limit is tokenized whole (that is how a caller learns how far
-        over it is); one over the character guard is refused untokenized."""
+        """Ids and token strings per text as the model sees it, [CLS] ...
+        [SEP], the prompt included. A text over the token limit is tokenized
+        whole (that is how a caller learns how far over it is); one over the
+        character guard is refused untokenized."""
         self.check_count(texts)
         for i, text in enumerate(texts):
             if len(text) > self.max_chars:
                 raise self._too_long(i, text, "shorten it")
+        prompted = [self.prompt + text for text in texts]
         return [
             (e.ids, e.tokens)
-            for e in self.tokenizer.encode_batch(texts, add_special_tokens=True)
+            for e in self.tokenizer.encode_batch(prompted, add_special_tokens=True)
         ]
 
     def _too_long(self, i: int, text: str, advice: str) -> InvalidInput:

@@ -54,22 +54,24 @@ class FallbackModel:
         task: str,
         vectors: np.ndarray,  # [V, D] float16 or float32: one per token id
         weights: np.ndarray,  # [V] float32: each token's weight in the mean
-        matrix: np.ndarray,  # [D, D] float32: unit mean -> primary space
-        offset: np.ndarray,  # [D] float32
+        matrix: np.ndarray,  # [D, E] float32: unit mean -> primary space
+        offset: np.ndarray,  # [E] float32
         normalize: bool = True,  # classify: normalize before the head
-        head_weight: np.ndarray | None = None,  # [C, D] float32
+        head_weight: np.ndarray | None = None,  # [C, E] float32
         head_bias: np.ndarray | None = None,  # [C] float32
         probability: str = "softmax",
         labels: list[str] | None = None,
     ) -> None:
         vocab, dim = vectors.shape
-        if weights.shape != (vocab,) or matrix.shape != (dim, dim):
+        if weights.shape != (vocab,) or matrix.ndim != 2 or matrix.shape[0] != dim:
             raise FallbackError(
                 f"{name}: fallback shapes disagree: vectors {vectors.shape}, "
                 f"weights {weights.shape}, map {matrix.shape}"
             )
-        if offset.shape != (dim,):
-            raise FallbackError(f"{name}: map offset {offset.shape}, expected {dim}")
+        if offset.shape != matrix.shape[1:]:
+            raise FallbackError(
+                f"{name}: map offset {offset.shape}, expected {matrix.shape[1]}"
+            )
         self.name = name
         self.task = task
         self.vectors = vectors
@@ -88,10 +90,10 @@ class FallbackModel:
         if self.head_weight is None or self.head_bias is None:
             raise FallbackError(f"{self.name}: a classify fallback needs a head")
         classes, dim = self.head_weight.shape
-        if dim != self.dim or self.head_bias.shape != (classes,):
+        if dim != self.embedding_width or self.head_bias.shape != (classes,):
             raise FallbackError(
                 f"{self.name}: head {self.head_weight.shape} / "
-                f"{self.head_bias.shape} does not fit width {self.dim}"
+                f"{self.head_bias.shape} does not fit width {self.embedding_width}"
             )
         if len(self.labels) != classes:
             raise FallbackError(
@@ -109,9 +111,15 @@ class FallbackModel:
         return int(self.vectors.shape[1])
 
     @property
+    def embedding_width(self) -> int:
+        """Columns of ``embed``: the primary's embedding width (its pooled
+        vector through its Dense layers)."""
+        return int(self.matrix.shape[1])
+
+    @property
     def width(self) -> int:
         """Columns of ``run``: the embedding size, or the number of labels."""
-        return len(self.labels) if self.task == "classify" else self.dim
+        return len(self.labels) if self.task == "classify" else self.embedding_width
 
     @classmethod
     def load(cls, entry: ModelEntry) -> FallbackModel:
@@ -179,7 +187,7 @@ class FallbackModel:
         return out
 
     def embed(self, ids_list: list[np.ndarray]) -> np.ndarray:
-        """Token ids per text -> float32 [N, D] embeddings, not normalized."""
+        """Token ids per text -> float32 [N, E] embeddings, not normalized."""
         count = len(ids_list)
         if not sum(map(len, ids_list)):
             return np.tile(self.offset, (count, 1))

@@ -11,6 +11,11 @@ A repository looks like::
 ``berth.json`` holds one :class:`ModelEntry`. ``checkpoint`` is a Hugging Face
 checkpoint directory (config.json, *.safetensors, tokenizer.json), absolute or
 relative to the entry's own directory.
+
+A field is taken from, in order: ``berth.json`` where it is written there;
+else the checkpoint's sentence-transformers configuration where it has one
+(services/st_config.py: length, pooling, Dense layers, normalization,
+lowercasing, prompts); else the field's default below.
 """
 
 from __future__ import annotations
@@ -18,12 +23,20 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from services import st_config
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 # The hard cap on tokens per text, whatever the model allows.
 MAX_TOKENS_CAP = 1024
 DEFAULT_BUCKETS = (32, 64, 128, 256, 512, 1024)
 TASKS = ("embed", "classify")
-POOLINGS = ("mean", "cls")
+# Several at once are written joined by "+" ("cls+mean"), and concatenated
+# in that order, as sentence-transformers' Pooling does.
+POOLINGS = ("mean", "cls", "max", "mean_sqrt_len", "weightedmean", "lasttoken")
 QUANTIZE = ("none", "int8", "fp8")
 # "auto" and engine/backend.py's BACKENDS (not imported: it imports this).
 BACKENDS = ("auto", "torch", "torch-cuda", "torch-eager", "onnxruntime", "tensorrt")
@@ -40,10 +53,10 @@ class ModelEntry:
     name: str  # the entry's directory's name
     task: str  # "embed" or "classify"
     checkpoint: str
-    pooling: str = "mean"
+    pooling: str = "mean"  # one of POOLINGS, or several joined by "+"
     # embed: default for the request's normalize option.
-    # classify: normalize the pooled vector before the head (as the head was
-    # trained on normalized embeddings).
+    # classify: normalize the embedding (pooled, through any Dense layers)
+    # before the head (as the head was trained on normalized embeddings).
     normalize: bool = True
     head: str | None = None  # classify: safetensors with weight/bias
     labels: str | None = None  # classify: JSON list of label names
@@ -58,7 +71,9 @@ class ModelEntry:
     # do when started with --gpu-buckets (`berth serve` passes it when its
     # engines are GPUs).
     gpu_buckets: list[int] | None = None
-    # Tokens per text, 1..1024; lowered to the checkpoint's position limit.
+    # Tokens per text, 1..1024 (a sentence-transformers checkpoint's own
+    # length where berth.json does not say); lowered to the checkpoint's
+    # position limit.
     max_tokens: int = MAX_TOKENS_CAP
     # "auto": the measured-faster engine for the device (torch's fp16 CUDA
     # graphs on a GPU, onnxruntime on the CPU; engine/backends_by_model.py),
@@ -67,6 +82,23 @@ class ModelEntry:
     # "none", "int8" (CPU torch, onnxruntime, TensorRT) or "fp8" (CUDA torch);
     # calibrated on engine/data/calibration_texts.txt when the model loads.
     quantize: str = "none"
+    # Lowercase each text before tokenizing (sentence-transformers'
+    # do_lower_case: a Lowercase normalizer ahead of the tokenizer's own).
+    lowercase: bool = False
+    # Dense layers applied to the pooled vector, in order, in float32:
+    # directories of sentence-transformers Dense modules (config.json,
+    # model.safetensors), absolute or relative to the entry's directory.
+    dense: list[str] = field(default_factory=list)
+    # Prompts by name; the default one is prepended to every text.
+    prompts: dict[str, str] = field(default_factory=dict)
+    default_prompt_name: str | None = None
+    # false: the prompt's tokens are left out of pooling.
+    include_prompt: bool = True
+    # The similarity function the checkpoint's authors name (cosine, dot,
+    # euclidean, manhattan); kept in the entry, never applied by berth.
+    similarity: str | None = None
+    # Whether the checkpoint's sentence-transformers configuration is read.
+    sentence_transformers: bool = True
     # Filled in by load_repository, never written.
     root: str = ""
 
@@ -81,6 +113,33 @@ class ModelEntry:
     @property
     def tokenizer_file(self) -> Path:
         return self.checkpoint_dir / "tokenizer.json"
+
+    @property
+    def prompt(self) -> str:
+        """The prompt prepended to every text ("" for none)."""
+        if self.default_prompt_name is None:
+            return ""
+        return self.prompts.get(self.default_prompt_name, "")
+
+    def tokenizer(self) -> Tokenizer:
+        """The checkpoint's tokenizer as the gateway runs it."""
+        return st_config.load_tokenizer(self.tokenizer_file, self.lowercase)
+
+    def pooling_skip(self) -> int:
+        """Leading tokens left out of pooling: the prompt's, where the entry
+        says not to include it (0 otherwise)."""
+        if self.include_prompt or not self.prompt:
+            return 0
+        return st_config.prompt_length(self.tokenizer(), self.prompt)
+
+    def output_width(self) -> int:
+        """An embedding's width: the hidden size per pooling mode, then
+        each Dense layer's out_features."""
+        width = checkpoint_shape(self.checkpoint_dir)[1]
+        width *= len(self.pooling.split("+"))
+        for directory in self.dense:
+            width = st_config.read_dense(self.path(directory)).out_features
+        return width
 
     def label_names(self) -> list[str]:
         if self.labels is None:
@@ -152,11 +211,15 @@ def checkpoint_shape(checkpoint_dir: Path) -> tuple[int, int]:
 
 
 def position_limit(checkpoint_dir: Path) -> int:
-    """Tokens the checkpoint's position embeddings allow (RoBERTa keeps 2)."""
+    """Tokens the checkpoint's positions allow: RoBERTa's first real token
+    sits at pad_token_id + 1, MPNet's at 2 (transformers fixes its padding
+    index at 1); ModernBERT's rotary positions stop at the maximum too."""
     config = json.loads((checkpoint_dir / "config.json").read_text())
     limit = int(config.get("max_position_embeddings", MAX_TOKENS_CAP))
     if config.get("model_type") in ("roberta", "xlm-roberta", "camembert"):
         limit -= int(config.get("pad_token_id", 1)) + 1
+    elif config.get("model_type") == "mpnet":
+        limit -= 2
     return limit
 
 
@@ -179,8 +242,21 @@ def _check_types(entry: ModelEntry, config_file: Path) -> None:
         value = getattr(entry, key)
         if value is not None and not isinstance(value, str):
             refuse(key, "a path (a string) or null")
-    if not isinstance(entry.normalize, bool):
-        refuse("normalize", "true or false (a JSON boolean)")
+    for key in ("normalize", "lowercase", "include_prompt", "sentence_transformers"):
+        if not isinstance(getattr(entry, key), bool):
+            refuse(key, "true or false (a JSON boolean)")
+    if not isinstance(entry.dense, list) or not all(
+        isinstance(d, str) for d in entry.dense
+    ):
+        refuse("dense", "a list of paths (strings)")
+    if not isinstance(entry.prompts, dict) or not all(
+        isinstance(v, str) for v in entry.prompts.values()
+    ):
+        refuse("prompts", "an object of prompt names to strings")
+    for key in ("default_prompt_name", "similarity"):
+        value = getattr(entry, key)
+        if value is not None and not isinstance(value, str):
+            refuse(key, "a string or null")
     if not positive(entry.max_tokens) or entry.max_tokens > MAX_TOKENS_CAP:
         refuse("max_tokens", f"a positive integer, at most {MAX_TOKENS_CAP}")
     if not isinstance(entry.buckets, list) or not all(map(positive, entry.buckets)):
@@ -202,7 +278,6 @@ def load_entry(entry_dir: Path) -> ModelEntry:
     _check_types(entry, config_file)
     for key, allowed in (
         ("task", TASKS),
-        ("pooling", POOLINGS),
         ("backend", BACKENDS),
         ("quantize", QUANTIZE),
     ):
@@ -218,6 +293,8 @@ def load_entry(entry_dir: Path) -> ModelEntry:
         raise RepositoryError(
             f"{config_file}: no tokenizer.json in {entry.checkpoint_dir}"
         )
+    _apply_sentence_config(entry, set(data), config_file)
+    _check_pipeline(entry, config_file)
     if entry.task == "classify":
         _check_classifier(entry, config_file)
     try:
@@ -226,13 +303,73 @@ def load_entry(entry_dir: Path) -> ModelEntry:
         raise RepositoryError(
             f"{config_file}: checkpoint {entry.checkpoint_dir}: config.json: {exc}"
         ) from exc
-    # The effective limit: the entry's own (at most our cap), the position
+    # The effective limit: the entry's own (at most our cap) or the
+    # checkpoint's sentence-transformers length, within the position
     # embeddings.
     entry.max_tokens = min(entry.max_tokens, positions)
     entry.buckets = _capped(entry.buckets, entry.max_tokens)
     if entry.gpu_buckets is not None:
         entry.gpu_buckets = _capped(entry.gpu_buckets, entry.max_tokens)
     return entry
+
+
+def _apply_sentence_config(
+    entry: ModelEntry, explicit: set[str], config_file: Path
+) -> None:
+    """The checkpoint's sentence-transformers configuration, for each field
+    berth.json does not write itself (``sentence_transformers``: false reads
+    none)."""
+    if not entry.sentence_transformers:
+        return
+    try:
+        config = st_config.read_sentence_config(entry.checkpoint_dir)
+    except st_config.SentenceConfigError as exc:
+        raise RepositoryError(
+            f"{config_file}: checkpoint {entry.checkpoint_dir}: {exc} (set "
+            '"sentence_transformers": false to serve the bare encoder instead)'
+        ) from exc
+    if config is None:
+        return
+    for key, value in config.entry_fields().items():
+        if key not in explicit:
+            setattr(entry, key, value)
+    if "max_tokens" not in explicit:
+        entry.max_tokens = min(entry.max_tokens, MAX_TOKENS_CAP)
+
+
+def _check_pipeline(entry: ModelEntry, config_file: Path) -> None:
+    """Pooling modes, prompts and Dense layers that berth can serve."""
+    unknown = [m for m in entry.pooling.split("+") if m not in POOLINGS]
+    if unknown:
+        raise RepositoryError(
+            f"{config_file}: pooling must be one of {', '.join(POOLINGS)}, or "
+            f"several joined by '+', not {entry.pooling!r}"
+        )
+    if entry.default_prompt_name not in (None, *entry.prompts):
+        raise RepositoryError(
+            f"{config_file}: default_prompt_name {entry.default_prompt_name!r} "
+            f"is not one of the prompts {sorted(entry.prompts)}"
+        )
+    if entry.similarity not in (None, *st_config.SIMILARITIES):
+        raise RepositoryError(
+            f"{config_file}: similarity must be one of "
+            f"{', '.join(st_config.SIMILARITIES)} or null, not {entry.similarity!r}"
+        )
+    if not entry.dense:
+        return
+    try:
+        width = checkpoint_shape(entry.checkpoint_dir)[1]
+        width *= len(entry.pooling.split("+"))
+        for directory in entry.dense:
+            layer = st_config.read_dense(entry.path(directory))
+            if layer.in_features != width:
+                raise st_config.SentenceConfigError(
+                    f"Dense {layer.directory} takes {layer.in_features} features, "
+                    f"the step before it gives {width}"
+                )
+            width = layer.out_features
+    except (OSError, ValueError) as exc:
+        raise RepositoryError(f"{config_file}: dense: {exc}") from exc
 
 
 def _capped(buckets: list[int], max_tokens: int) -> list[int]:

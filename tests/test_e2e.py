@@ -33,11 +33,9 @@ def st_model(repository: Path) -> Any:
     from services.repository import load_repository
 
     entry = load_repository(repository)["minilm"]
-    model = SentenceTransformer(str(entry.checkpoint_dir), device="cpu")
-    # The packaged config truncates at 256 tokens; berth serves up to the
-    # model's 512 positions, so compare without truncation.
-    model.max_seq_length = 512
-    return model
+    # As packaged: it cuts texts at its max_seq_length, 256 tokens, as berth
+    # does with options.truncate.
+    return SentenceTransformer(str(entry.checkpoint_dir), device="cpu")
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -47,7 +45,7 @@ def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def test_cli_embed_matches_sentence_transformers(stack: Stack, st_model: Any) -> None:
-    done = berth(stack, "embed", "--model", "minilm", *VARIED)
+    done = berth(stack, "embed", "--model", "minilm", "--truncate", *VARIED)
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     assert len(out) == len(VARIED)
@@ -61,18 +59,20 @@ def test_cli_embed_matches_sentence_transformers(stack: Stack, st_model: Any) ->
     cos = cosine(ours, reference)
     print("cosine vs sentence-transformers:", np.round(cos, 6).tolist())
     assert cos.min() >= 0.9999, cos
-    assert 350 < max(item["tokens"] for item in out) <= 400
+    assert max(item["tokens"] for item in out) == 256  # ~398, cut
 
 
 def test_text_alone_equals_text_in_mixed_batch(
     client: berth_pb2_grpc.BerthStub,
 ) -> None:
+    cut = berth_pb2.Options(truncate=True)  # VARIED's last text is over 256
     mixed = client.Embed(
-        berth_pb2.EmbedRequest(model="minilm", texts=VARIED), timeout=60
+        berth_pb2.EmbedRequest(model="minilm", texts=VARIED, options=cut), timeout=60
     )
-    for i in (0, 2, 8):
+    for i in (0, 2, 8, 9):
         alone = client.Embed(
-            berth_pb2.EmbedRequest(model="minilm", texts=[VARIED[i]]), timeout=60
+            berth_pb2.EmbedRequest(model="minilm", texts=[VARIED[i]], options=cut),
+            timeout=60,
         )
         a = np.array(alone.embeddings[0].values)
         b = np.array(mixed.embeddings[i].values)
@@ -158,7 +158,7 @@ def test_intent_agrees_with_package_head(
         ({"texts": []}, "texts is empty"),
         ({"texts": ["ok", ""]}, "texts[1] is empty"),
         ({"texts": ["x"] * 257}, "too many texts: 257"),
-        ({"texts": ["word " * 600]}, "over the limit of 512"),
+        ({"texts": ["word " * 300]}, "302 tokens, over the limit of 256"),
         ({"texts": ["a" * 20_000]}, "characters, over the limit"),
         ({"texts": ["hi"], "model": "nope"}, "unknown model 'nope'"),
         ({"texts": ["hi"], "model": "intent"}, "is a classify model"),
@@ -184,7 +184,7 @@ def test_truncate_option_cuts_to_the_limit(client: berth_pb2_grpc.BerthStub) -> 
         model="minilm", texts=["word " * 600], options=berth_pb2.Options(truncate=True)
     )
     response = client.Embed(request, timeout=60)
-    assert response.embeddings[0].tokens == 512
+    assert response.embeddings[0].tokens == 256
 
 
 def test_normalize_option(client: berth_pb2_grpc.BerthStub) -> None:
@@ -228,7 +228,7 @@ def test_models_and_tokenize(stack: Stack, client: berth_pb2_grpc.BerthStub) -> 
     models = {m["name"]: m for m in json.loads(done.stdout)}
     assert models["minilm"]["task"] == "embed"
     assert models["minilm"]["dimension"] == 384
-    assert models["minilm"]["maxTokens"] == 512
+    assert models["minilm"]["maxTokens"] == 256
     assert models["intent"]["task"] == "classify"
     assert len(models["intent"]["labels"]) == 157
     assert "connect_to_human" in models["intent"]["labels"]

@@ -284,13 +284,14 @@ def test_a_large_fallback_call_leaves_the_gateway_answering(
     repository: Path,
 ) -> None:
     """While the fleet fails, every call is a fallback call: a large one
-    (1024 texts of ~450 tokens, ~1 s on the CPU model) runs off the event
-    loop, and without holding the GIL for long, so small calls keep being
-    answered while it computes, each in a small part of its time."""
+    (2048 texts of 255 or 256 tokens, minilm's limit, ~1 s on the CPU model)
+    runs off the event loop, and without holding the GIL for long, so small
+    calls keep being answered while it computes, each in a small part of its
+    time."""
     (nowhere,) = free_ports(1)
     flags = ("--batcher", f"127.0.0.1:{nowhere}", "--startup-wait-s", "0")
-    texts = 1024
-    long_text = "the quick brown fox jumps over the lazy dog " * 50
+    texts = 2048
+    long_text = "the quick brown fox jumps over the lazy dog " * 28
     big = berth_pb2.EmbedRequest(
         model="minilm", texts=[f"{i} {long_text}" for i in range(texts)]
     )

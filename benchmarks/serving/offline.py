@@ -8,6 +8,7 @@ baseline is labelled as given wherever it appears.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -71,7 +72,6 @@ def offline(checkpoint: Path, texts: list[str], batch_size: int) -> dict[str, An
         model = SentenceTransformer(str(checkpoint), device=device)
         if device == "cuda":
             model.half()
-        model.max_seq_length = 512  # as berth serves; no text here comes near it
 
         def encode(batch: list[str]) -> None:
             model.encode(batch, batch_size=batch_size, convert_to_numpy=True)
@@ -105,6 +105,11 @@ def _transformers_encoder(checkpoint: Path, device: str, batch_size: int) -> Any
     import transformers
 
     dtype = torch.float16 if device == "cuda" else torch.float32
+    # The checkpoint's own limit, as sentence-transformers reads it.
+    config = checkpoint / "sentence_bert_config.json"
+    max_length = (
+        json.loads(config.read_text())["max_seq_length"] if config.exists() else 512
+    )
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(checkpoint))
     model = transformers.AutoModel.from_pretrained(
         str(checkpoint), dtype=dtype, attn_implementation="sdpa"
@@ -121,7 +126,7 @@ def _transformers_encoder(checkpoint: Path, device: str, batch_size: int) -> Any
                 batch,
                 padding=True,
                 truncation=True,
-                max_length=512,
+                max_length=max_length,
                 return_tensors="pt",
             ).to(device)
             hidden = model(**inputs).last_hidden_state

@@ -48,13 +48,14 @@ PROSE = [
 
 
 def make_texts(n: int, seed: int) -> list[str]:
-    """n distinct texts: lognormal word counts, median ~11, long tail to ~220."""
+    """n distinct texts: lognormal word counts, median ~11, long tail to 200
+    (at most ~240 tokens: within minilm's 256)."""
     from tests.texts import UTTERANCES
 
     rng = random.Random(seed)
     texts = []
     for i in range(n):
-        words = min(220, max(2, round(rng.lognormvariate(math.log(11), 0.9))))
+        words = min(200, max(2, round(rng.lognormvariate(math.log(11), 0.9))))
         if words <= 14:
             text = f"{rng.choice(UTTERANCES)} {rng.choice(SLOTS)}"
         else:

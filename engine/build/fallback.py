@@ -40,9 +40,10 @@ import torch
 from safetensors import safe_open
 from safetensors.numpy import save as save_safetensors
 from tokenizers import Tokenizer
+from torch import nn
 
 from engine.encoder import load_encoder
-from engine.heads import load_classifier_head, make_pooling
+from engine.heads import load_classifier_head, load_dense, make_pooling, pooled_width
 from services import files
 from services.fallback_model import FORMAT, FallbackModel, fallback_path
 from services.repository import ModelEntry, load_repository
@@ -80,14 +81,15 @@ def read_texts(path: Path) -> list[str]:
 
 def load_tokenizer(entry: ModelEntry) -> Tokenizer:
     """The gateway's tokenizer: no truncation, no padding."""
-    tokenizer = Tokenizer.from_file(str(entry.tokenizer_file))
-    tokenizer.no_truncation()
-    tokenizer.no_padding()
-    return tokenizer
+    return entry.tokenizer()
 
 
-def tokenize(tokenizer: Tokenizer, texts: list[str], limit: int) -> list[np.ndarray]:
-    encodings = tokenizer.encode_batch(texts, add_special_tokens=True)
+def tokenize(
+    tokenizer: Tokenizer, texts: list[str], limit: int, prompt: str = ""
+) -> list[np.ndarray]:
+    """Token ids per text as the gateway sends them: ``prompt`` first."""
+    prompted = [prompt + text for text in texts]
+    encodings = tokenizer.encode_batch(prompted, add_special_tokens=True)
     return [np.asarray(e.ids[:limit], dtype=np.int32) for e in encodings]
 
 
@@ -118,16 +120,25 @@ def zipf_weights(
 
 
 class Primary:
-    """The primary's encoder and pooling, on CPU in float32, for distilling."""
+    """The primary's encoder, pooling and Dense layers, on CPU in float32,
+    for distilling."""
 
     def __init__(self, entry: ModelEntry) -> None:
         self.encoder = load_encoder(entry.checkpoint_dir)
-        self.pooling = make_pooling(entry.pooling)
+        self.pooling = make_pooling(entry.pooling, entry.pooling_skip())
+        # The one-token texts of the distillation pass carry no prompt.
+        self.bare_pooling = make_pooling(entry.pooling)
+        dense = [load_dense(entry.path(d)) for d in entry.dense]
+        self.dense = nn.Sequential(*dense)
+        hidden = self.encoder.hidden_size
+        self.width = (
+            dense[-1].out_features if dense else pooled_width(entry.pooling, hidden)
+        )
 
     @torch.inference_mode()
     def embed(self, ids_list: list[np.ndarray]) -> np.ndarray:
-        """Pooled, not normalized, float32 [N, H]; batches by similar length."""
-        out = np.zeros((len(ids_list), self.encoder.hidden_size), np.float32)
+        """Pooled, not normalized, float32 [N, width]; batches by similar length."""
+        out = np.zeros((len(ids_list), self.width), np.float32)
         order = np.argsort([len(ids) for ids in ids_list], kind="stable")
         for start in range(0, len(order), EMBED_BATCH):
             rows = order[start : start + EMBED_BATCH]
@@ -136,7 +147,7 @@ class Primary:
             for j, i in enumerate(rows):
                 batch[j, : len(ids_list[i])] = torch.from_numpy(ids_list[i])
             hidden = self.encoder(batch, lengths)
-            out[rows] = self.pooling(hidden, lengths).numpy()
+            out[rows] = self.dense(self.pooling(hidden, lengths)).numpy()
         return out
 
     @torch.inference_mode()
@@ -144,7 +155,7 @@ class Primary:
         """Per id t, as [CLS] t [SEP]: t's hidden state and the pooled text."""
         vocab, hidden = self.encoder.config.vocab_size, self.encoder.hidden_size
         vectors = np.zeros((vocab, hidden), np.float32)
-        pooled = np.zeros((vocab, hidden), np.float32)
+        pooled = np.zeros((vocab, self.width), np.float32)
         lengths = torch.full((DISTIL_BATCH,), 3)
         started, reported = time.monotonic(), 0
         for start in range(0, vocab, DISTIL_BATCH):
@@ -153,7 +164,8 @@ class Primary:
             batch[:, 1] = ids
             states = self.encoder(batch, lengths[: len(ids)])
             vectors[ids] = states[:, 1].float().numpy()
-            pooled[ids] = self.pooling(states, lengths[: len(ids)]).numpy()
+            bare = self.bare_pooling(states, lengths[: len(ids)])
+            pooled[ids] = self.dense(bare).numpy()
             done = start + len(ids)
             if done * 10 // vocab > reported or done == vocab:
                 reported = done * 10 // vocab
@@ -232,7 +244,7 @@ def distil(entry: ModelEntry) -> Distillation:
     weights = zipf_weights(tokenizer, len(vectors), template, SETTINGS.sif)
     # Fitting set: the shipped texts, their spans and concatenations.
     rng = np.random.default_rng(SETTINGS.seed)
-    texts = tokenize(tokenizer, read_texts(FIT_TEXTS), entry.max_tokens)
+    texts = tokenize(tokenizer, read_texts(FIT_TEXTS), entry.max_tokens, entry.prompt)
     texts += [ids[: entry.max_tokens] for ids in augment(texts, template, rng)]
     log.info("embedding %d fitting texts with the primary", len(texts))
     targets = primary.embed(texts)
@@ -288,10 +300,9 @@ def measure(entry: ModelEntry, fallback: FallbackModel) -> dict[str, float | int
     """Held-out cosine with the primary (all texts) and, for a classifier,
     top-1 agreement (the assistant utterances)."""
     tokenizer = load_tokenizer(entry)
-    utterances = tokenize(tokenizer, read_texts(HELDOUT_UTTERANCES), entry.max_tokens)
-    texts = utterances + tokenize(
-        tokenizer, read_texts(HELDOUT_GENERAL), entry.max_tokens
-    )
+    limit, prompt = entry.max_tokens, entry.prompt
+    utterances = tokenize(tokenizer, read_texts(HELDOUT_UTTERANCES), limit, prompt)
+    texts = utterances + tokenize(tokenizer, read_texts(HELDOUT_GENERAL), limit, prompt)
     primary = Primary(entry).embed(texts)
     cosine = np.sum(_unit(primary) * _unit(fallback.embed(texts)), axis=1)
     metrics = {
@@ -319,6 +330,9 @@ def fingerprint(entry: ModelEntry) -> str:
         f"{FORMAT} {json.dumps(asdict(SETTINGS), sort_keys=True)}".encode()
     )
     digest.update(f"{entry.task} {entry.pooling} {entry.normalize}".encode())
+    served = served_spec(entry)
+    if served:  # only where the entry has them: other fallbacks stay built
+        digest.update(served.encode())
     checkpoint = entry.checkpoint_dir
     files = [
         FIT_TEXTS,
@@ -329,12 +343,26 @@ def fingerprint(entry: ModelEntry) -> str:
     ]
     files += sorted(checkpoint.glob("*.safetensors"))
     files += [entry.path(p) for p in (entry.head, entry.labels) if p is not None]
+    files += [entry.path(d) / "model.safetensors" for d in entry.dense]
     for path in files:
         digest.update(path.name.encode())
         with path.open("rb") as f:
             while chunk := f.read(1 << 20):
                 digest.update(chunk)
     return digest.hexdigest()
+
+
+def served_spec(entry: ModelEntry) -> str:
+    """What else shapes the primary's embeddings, where the entry sets it
+    ("" for none): Dense layers, lowercasing, the prompt."""
+    spec = {
+        "dense": entry.dense,
+        "lowercase": entry.lowercase,
+        "prompt": entry.prompt,
+        "include_prompt": entry.include_prompt,
+    }
+    defaults = {"dense": [], "lowercase": False, "prompt": "", "include_prompt": True}
+    return "" if spec == defaults else json.dumps(spec, sort_keys=True)
 
 
 def built_fingerprint(path: Path) -> str | None:
@@ -371,7 +399,10 @@ def build_fallbacks(root: Path, force: bool = False) -> list[Path]:
             built.append(path)
             continue
         started = time.monotonic()
-        key = (str(entry.checkpoint_dir.resolve()), entry.pooling)
+        key = (
+            str(entry.checkpoint_dir.resolve()),
+            f"{entry.pooling} {served_spec(entry)}",
+        )
         try:
             if key not in shared:
                 log.info("distilling %s's fallback from %s", entry.name, key[0])

@@ -7,7 +7,8 @@ The graph takes ``input_ids`` int32 [batch, length] and ``lengths`` int32
 
 Files are cached under ``$BERTH_CACHE_DIR`` (default ``~/.cache/berth``) by a
 fingerprint of everything that shapes the graph: the checkpoint's config and
-weights, the head, the entry's task/pooling/normalize and the opset. A large
+weights, the head, the entry's task/pooling/normalize, its Dense layers, the
+prompt tokens left out of pooling, and the opset. A large
 model's weights (over the exporter's threshold, 1.5 GB in torch 2.13) are
 external data, ``<file>.onnx.data`` beside it, named in the graph.
 """
@@ -68,6 +69,18 @@ def model_fingerprint(entry: ModelEntry) -> str:
     if entry.head is not None:
         files.append(entry.path(entry.head))
     parts["files"] = {p.name: file_sha256(p) for p in files if p.is_file()}
+    # Only where the entry has them: other models keep their fingerprints.
+    if entry.dense:
+        parts["dense"] = [
+            [
+                file_sha256(entry.path(d) / n)
+                for n in ("config.json", "model.safetensors")
+            ]
+            for d in entry.dense
+        ]
+    skip = entry.pooling_skip()
+    if skip:
+        parts["skip"] = skip
     blob = json.dumps(parts, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()
 

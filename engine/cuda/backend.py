@@ -33,6 +33,7 @@ import torch
 from engine import settings as engine_settings
 from engine.backend import Backend
 from engine.cuda.runner import WIRE_INT32, ModelRunner, Ticket, Times, collect
+from engine.heads import ClsPooling, MeanPooling
 from engine.torch_backend import TorchBackend, check_batch, resolve_device
 from services.repository import ModelEntry
 
@@ -102,8 +103,19 @@ class CudaBackend(TorchBackend):
 
     def load(self, entry: ModelEntry) -> None:
         super().load(entry)
-        runner = ModelRunner(self.model(entry.name), self, self.gelu_epilogue)
+        served = self.model(entry.name)
+        runner = ModelRunner(served, self, self.gelu_epilogue)
         self._runners[entry.name] = runner
+        if not isinstance(served.pooling, (MeanPooling, ClsPooling)):
+            # FusedForward pools with its kernel for mean and CLS alone; any
+            # other pooling is the model's own torch module on the hidden
+            # states, and FusedForward.packs is false for it.
+            log.info(
+                "model %s: pooling %s runs as torch ops in its CUDA graphs, "
+                "not a fused kernel; its rows are never packed",
+                entry.name,
+                entry.pooling,
+            )
         log.info(
             "model %s on %s: attention kernels %s (the faster per shape); "
             "dependent launches %s",

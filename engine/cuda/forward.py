@@ -55,10 +55,11 @@ from engine.cuda.layer_products import (
     inv_scale,
     takes,
 )
+from engine.cuda.plain import unfused_reason
 from engine.cuda.products import HalfGemm
 from engine.cuda.tiles import LinearConfig
 from engine.cuda.timing import packed_starts
-from engine.encoder import ACTIVATIONS, EncoderLayer, key_padding_mask
+from engine.encoder import ACTIVATIONS, Embeddings, EncoderLayer, key_padding_mask
 from engine.heads import ClsPooling, MeanPooling
 from engine.model import ServedModel
 
@@ -108,8 +109,12 @@ class FusedForward(ShapeChoices):
         preload: bool | None = None,
         fp16_tuned: bool | None = None,
     ) -> None:
+        reason = unfused_reason(served)
+        if reason is not None:
+            raise ValueError(reason)
         self.served = served
         self.encoder = served.encoder
+        self.embeddings = cast(Embeddings, self.encoder.embeddings)
         self.layers = [cast(EncoderLayer, layer) for layer in self.encoder.layers]
         config = self.encoder.config
         self.heads = config.num_heads
@@ -186,7 +191,7 @@ class FusedForward(ShapeChoices):
         ladder keeps it): packed is padded then, and attention runs with no
         mask (FULL_ROWS)."""
         batch, length = ids.shape
-        emb = self.encoder.embeddings
+        emb = self.embeddings
         if length > emb.max_length:
             raise ValueError(
                 f"sequence length {length} is over the model's {emb.max_length} "
@@ -256,9 +261,7 @@ class FusedForward(ShapeChoices):
         used = lengths.clamp(min=1).to(torch.int32)
         starts = packed_starts(used)
         pdl = self._dependent(tokens)
-        x = kernels.embed_packed(
-            self.encoder.embeddings, ids, used, starts, tokens, pdl
-        )
+        x = kernels.embed_packed(self.embeddings, ids, used, starts, tokens, pdl)
         keys = (kind, (used, starts), True)
         x = self._layers(x, batch, length, keys)
         if self.mean:

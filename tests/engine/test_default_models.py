@@ -145,7 +145,10 @@ def test_repository_layout(default_repo: Path, entries: dict[str, ModelEntry]) -
     assert (minilm.task, minilm.pooling, minilm.normalize) == ("embed", "mean", True)
     assert Path(minilm.checkpoint).is_absolute()
     assert (intent.task, intent.pooling, intent.normalize) == ("classify", "mean", True)
-    assert minilm.max_tokens == 512
+    assert minilm.max_tokens == 256  # the checkpoint's max_seq_length
+    assert minilm.buckets == [12, 16, 24, 32, 48, 64, 96, 128, 256]
+    written = json.loads((default_repo / "minilm" / "berth.json").read_text())
+    assert "max_tokens" not in written and "pooling" not in written
     labels = intent.label_names()
     assert len(labels) == 157 and len(set(labels)) == 157
     assert "connect_to_human" in labels and "201" not in labels
@@ -264,7 +267,7 @@ def test_build_keeps_a_users_edits(tmp_path: Path) -> None:
     build_default_repository(tmp_path, force=True)
     for name in edited:
         config = json.loads((tmp_path / name / "berth.json").read_text())
-        assert config["backend"] == "auto", name
+        assert "backend" not in config, name  # berth's default, auto
 
 
 def test_build_refreshes_what_an_earlier_build_wrote(tmp_path: Path) -> None:

@@ -222,7 +222,7 @@ def test_cached_truncation_does_not_skip_the_limit(
     client: berth_pb2_grpc.BerthStub,
 ) -> None:
     long = "cache " * 700
-    assert embed(client, [long], truncate=True).embeddings[0].tokens == 512
+    assert embed(client, [long], truncate=True).embeddings[0].tokens == 256
     with pytest.raises(grpc.RpcError) as info:
         embed(client, ["fine", long])
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT

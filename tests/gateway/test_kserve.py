@@ -74,17 +74,20 @@ def test_model_config_parses_in_the_stock_client(
         ("PROBABILITIES", [-1, 157]),
         ("LABEL", [-1]),
     ]
-    assert config.parameters["max_tokens"].string_value == "512"
+    assert config.parameters["max_tokens"].string_value == "256"
 
 
 def test_embedding_equals_berth_api(
     tc: triton.InferenceServerClient, client: berth_pb2_grpc.BerthStub
 ) -> None:
     texts = [t for t in VARIED if t.strip()]
-    result = tc.infer("minilm", [text_input(texts)])
+    result = tc.infer("minilm", [text_input(texts)], parameters={"truncate": True})
     ours = result.as_numpy("EMBEDDING")
     assert ours.dtype == np.float32 and ours.shape == (len(texts), 384)
-    berth = client.Embed(berth_pb2.EmbedRequest(model="minilm", texts=texts))
+    cut = berth_pb2.Options(truncate=True)  # VARIED's last text is over 256
+    berth = client.Embed(
+        berth_pb2.EmbedRequest(model="minilm", texts=texts, options=cut)
+    )
     reference = np.array([e.values for e in berth.embeddings], dtype=np.float32)
     np.testing.assert_allclose(ours, reference, atol=1e-6)
     np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)
@@ -115,7 +118,7 @@ def test_parameters_map_to_options(tc: triton.InferenceServerClient) -> None:
     long = "word " * 600
     status, message = status_of(tc.infer, "minilm", [text_input([long])])
     assert status == "StatusCode.INVALID_ARGUMENT"
-    assert "over the limit of 512" in message and "truncate" in message
+    assert "over the limit of 256" in message and "truncate" in message
     cut = tc.infer("minilm", [text_input([long])], parameters={"truncate": True})
     assert cut.as_numpy("EMBEDDING").shape == (1, 384)
 

@@ -72,7 +72,7 @@ def refused(tmp_path: Path, field: str, value: object) -> str:
     ("field", "value"),
     [
         ("task", "embedd"),
-        ("pooling", "max"),
+        ("pooling", "maximum"),
         ("quantize", "int4"),
         ("backend", "onnx"),  # a typo served on the engine's own backend
         ("max_tokens", 4096),  # over the 1024 cap: it served 512, silently
