@@ -8,6 +8,7 @@ inside functions too), so a lazy import cannot slip past.
 from __future__ import annotations
 
 import ast
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +26,10 @@ FORBIDDEN = {
 }
 MAX_MODULE_LINES = 520
 MAX_FUNCTION_LINES = 85
+# The Python client, a distribution of its own (clients/python): it may
+# import the standard library, grpc, protobuf and itself, nothing else.
+CLIENT = ROOT / "clients" / "python"
+CLIENT_IMPORTS = ("berth_client", "grpc", "google.protobuf")
 
 
 def sources() -> Iterator[Path]:
@@ -79,10 +84,34 @@ def test_the_gateway_uses_the_batcher_only_through_its_public_api() -> None:
     assert not reaching, "\n".join(reaching)
 
 
+def client_sources() -> list[Path]:
+    """The client's hand-written modules (not its generated stubs)."""
+    return [
+        path
+        for path in sorted(CLIENT.rglob("*.py"))
+        if not {"_proto", "build"} & set(path.relative_to(CLIENT).parts)
+    ]
+
+
+def test_the_client_imports_only_grpc_and_protobuf() -> None:
+    stdlib = sys.stdlib_module_names
+    foreign = [
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for path in client_sources()
+        if path.is_relative_to(CLIENT / "berth_client")  # not its build script
+        for line, module in imports(path)
+        if module.partition(".")[0] not in stdlib
+        and not any(within(module, allowed) for allowed in CLIENT_IMPORTS)
+    ]
+    assert client_sources(), "no client sources found"
+    assert not foreign, "\n".join(foreign)
+
+
 def readable() -> list[Path]:
-    """Every hand-written module: the packages, the benchmarks, the scripts."""
+    """Every hand-written module: the packages, the client, the benchmarks,
+    the scripts."""
     more = [*(ROOT / "benchmarks").rglob("*.py"), *(ROOT / "scripts").glob("*.py")]
-    return [*sources(), *sorted(more)]
+    return [*sources(), *client_sources(), *sorted(more)]
 
 
 @pytest.mark.parametrize("path", readable(), ids=lambda p: str(p.relative_to(ROOT)))
