@@ -25,7 +25,7 @@ def test_sigterm_finishes_in_flight_calls(repository: Path) -> None:
         outcomes: list[str] = []
         finished: list[float] = []
         lock = threading.Lock()
-        # ~250 tokens each (minilm takes 256), 12 a call: seconds of work for
+        # ~250 tokens each (minilm takes 256), 20 a call: seconds of work for
         # two CPU engines, so the calls are still running when the gateway's
         # lame duck ends.
         text = " ".join(["a long enough sentence to take the engine a while"] * 25)
@@ -37,7 +37,7 @@ def test_sigterm_finishes_in_flight_calls(repository: Path) -> None:
                     reply = stub.Embed(
                         berth_pb2.EmbedRequest(
                             model="minilm",
-                            texts=[f"{i} {text}" for i in range(12)],
+                            texts=[f"{i} {text}" for i in range(20)],
                         ),
                         timeout=90,
                     )
@@ -63,7 +63,7 @@ def test_sigterm_finishes_in_flight_calls(repository: Path) -> None:
     print("outcomes after SIGTERM:", outcomes, "finished after it (s):", after)
     # The drain held calls that outlived the gateway's 0.5 s lame duck.
     assert max(after) > 1.0, "no call outlived the lame duck: the test proves nothing"
-    assert outcomes == ["ok:12"] * 6
+    assert outcomes == ["ok:20"] * 6
     assert code == 0, stack.logs()
     logs = stack.logs()
     for name in ("gateway", "batcher", "engine-0", "engine-1"):
