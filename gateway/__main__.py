@@ -31,7 +31,7 @@ from services.process import service_parser, start_service
 from services.proto.berth.v1 import berth_pb2
 from services.repository import load_repository
 from services.server import LAME_DUCK_S, ServiceServer
-from services.telemetry import shutdown_tracing
+from services.telemetry import set_server, shutdown_tracing
 from services.tls import add_tls_flags, server_credentials, tls_flags_problem
 
 log = logging.getLogger("berth.gateway")
@@ -237,6 +237,7 @@ async def main(args: argparse.Namespace) -> None:
         also=[f"{args.host}:{args.own_port}"] if args.own_port else [],
         credentials=server_credentials(args),
     )
+    set_server(server.address)  # its RPC spans' server.address and port
     # Not berth_pb2_grpc.add_BerthServicer_to_server: the requests come as
     # bytes, counted before they are parsed (gateway/intake.py), and one
     # gRPC cannot parse is INVALID_ARGUMENT.

@@ -25,7 +25,12 @@ from gateway.intake import Refused
 from gateway.pipeline import TRACER
 from services.errors import BerthError, abort, as_berth_error
 from services.streams import until_unreadable
-from services.telemetry import record_error, server_span
+from services.telemetry import (
+    record_error,
+    rpc_attributes,
+    server_span,
+    set_status_code,
+)
 
 log = logging.getLogger("berth.gateway")
 
@@ -71,14 +76,17 @@ async def serve_unary(
 ) -> Response:
     """One unary call's answer, in a span under the caller's trace; a
     BerthError ends the call with its status."""
-    with server_span(
-        TRACER,
-        method,
-        context.invocation_metadata() or (),
-        {"berth.model": shown(model)},
-    ):
-        async with AbortOnError(context):
-            return await work
+    attributes = rpc_attributes(method, **{"berth.model": shown(model)})
+    metadata = context.invocation_metadata() or ()
+    with server_span(TRACER, method, metadata, attributes) as span:
+        try:
+            response = await work
+        except BerthError as error:
+            set_status_code(span, error.code.value[0])
+            await abort(context, error)
+            raise  # (abort raises; this is never reached)
+        set_status_code(span, 0)
+        return response
 
 
 async def serve_requests(
@@ -106,17 +114,20 @@ async def serve_requests(
 
     async def answer(item: Request | Refused[Any]) -> Response:
         request = item.request if isinstance(item, Refused) else item
-        attributes = {"berth.model": shown(model_of(request))}
+        attributes = rpc_attributes(method, **{"berth.model": shown(model_of(request))})
         with server_span(TRACER, method, metadata, attributes) as span:
             try:
                 if isinstance(item, Refused):
                     raise item.error
-                return await call(request)
+                response = await call(request)
             except Exception as exc:  # answered, and the stream stays open
                 error = as_berth_error(exc, log, named(request))
                 if span is not None:  # the error is answered, not raised
                     record_error(span, error)
+                    set_status_code(span, error.code.value[0])
                 return failed(request, error)
+            set_status_code(span, 0)
+            return response
 
     unreadable: list[BerthError] = []
     readable = until_unreadable(requests, unreadable)

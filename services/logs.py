@@ -7,6 +7,8 @@ import os
 import time
 from collections.abc import Callable
 
+from opentelemetry import trace
+
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 # Libraries that log each step at INFO: torch.onnx's exporter (through
 # onnx_ir / onnxscript) writes a line per deduplicated initializer, ~60 for a
@@ -26,13 +28,26 @@ def setup_logging(service: str) -> logging.Logger:
         raise ValueError(f"BERTH_LOG_LEVEL={raw!r} is not a log level: use {choices}")
     logging.basicConfig(
         level=level,
-        format=f"%(asctime)s {service:<8} %(levelname)-5s %(name)s: %(message)s",
+        format=(
+            f"%(asctime)s {service:<8} %(levelname)-5s %(name)s: %(message)s%(trace)s"
+        ),
     )
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(with_trace_id)
     if level != "DEBUG":
         floor = max(logging.WARNING, logging.getLevelName(level))
         for name in CHATTY:
             logging.getLogger(name).setLevel(floor)
     return logging.getLogger(f"berth.{service}")
+
+
+def with_trace_id(record: logging.LogRecord) -> bool:
+    """A logging filter: ``record.trace`` is " trace=<trace id>" when the
+    line is logged under a span (a request's, or its caller's context), so
+    a log line leads to its trace in Jaeger; "" otherwise."""
+    context = trace.get_current_span().get_span_context()
+    record.trace = f" trace={context.trace_id:032x}" if context.is_valid else ""
+    return True
 
 
 class Throttled:

@@ -6,6 +6,16 @@ OTEL_SERVICE_NAME; OTEL_SDK_DISABLED=true or OTEL_TRACES_EXPORTER=none turn
 export off (see tracing_off_reason). With no endpoint set, or export off, no
 exporter runs: spans are not recorded, but incoming trace context is still
 passed on to the next hop.
+
+A caller's context is read from its call's metadata by the propagators
+OTEL_PROPAGATORS names (default: W3C tracecontext and baggage), as
+OpenTelemetry's SDKs do. Between berth's own processes the context always
+travels as W3C tracecontext inside the messages (inject/extract): what a
+caller's propagator is does not change the internal protocol.
+
+A gateway's RPC spans follow OpenTelemetry's RPC conventions: rpc.system,
+rpc.service, rpc.method, rpc.grpc.status_code, server.address and
+server.port (rpc_attributes).
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from opentelemetry import context as otel_context
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -36,7 +46,10 @@ __all__ = [
     "inject",
     "record_error",
     "recording",
+    "rpc_attributes",
     "server_span",
+    "set_server",
+    "set_status_code",
     "span_if_recording",
     "setup_tracing",
     "shutdown_tracing",
@@ -163,24 +176,60 @@ def span_if_recording(
 
 TRACE_HEADERS = ("traceparent", "tracestate")
 
+# Where this process's RPC server listens (set_server): its spans'
+# server.address and server.port.
+_server: dict[str, str | int] = {}
+
+
+def set_server(address: str) -> None:
+    """The "host:port" this process serves its RPCs on, for its spans."""
+    host, _, port = address.rpartition(":")
+    _server.clear()
+    _server["server.address"] = host.strip("[]")
+    if port.isdigit():
+        _server["server.port"] = int(port)
+
+
+def rpc_attributes(method: str, **extra: str) -> dict[str, str | int]:
+    """OpenTelemetry's RPC span attributes of ``method``
+    ("package.Service/Method"), with this server's address and ``extra``."""
+    service, _, name = method.rpartition("/")
+    return {
+        "rpc.system": "grpc",
+        "rpc.service": service,
+        "rpc.method": name,
+        **_server,
+        **extra,
+    }
+
+
+def set_status_code(span: Span | None, code: int) -> None:
+    """Record the gRPC status ``code`` (0: OK) the call ``span`` serves
+    ended with, as ``rpc.grpc.status_code`` (errors also mark the span
+    itself: record_error)."""
+    if span is not None:
+        span.set_attribute("rpc.grpc.status_code", code)
+
 
 def server_span(
     tracer: Tracer,
     name: str,
     metadata: Iterable[tuple[str, str | bytes]],
-    attributes: Mapping[str, str],
+    attributes: Mapping[str, str | int],
 ) -> AbstractContextManager[Any]:
-    """A server span under the caller's trace context. When not recording,
-    the caller's context alone becomes current, so the next hop still joins
-    the caller's trace; a call without one costs nothing."""
-    carrier = _carrier(metadata)
+    """A server span under the caller's trace context (read by the
+    OTEL_PROPAGATORS propagators). When not recording, the caller's context
+    alone becomes current, so the next hop still joins the caller's trace; a
+    call without one costs nothing."""
+    propagator = propagate.get_global_textmap()
+    carrier = _carrier(metadata, propagator.fields)
     if _provider is None:
         if not carrier:
             return _NOT_RECORDING
-        return _attached(_PROPAGATOR.extract(carrier))
+        return _attached(propagator.extract(carrier))
     return tracer.start_as_current_span(
         name,
-        context=_PROPAGATOR.extract(carrier),
+        context=propagator.extract(carrier),
         kind=SpanKind.SERVER,
         attributes=attributes,
     )
@@ -211,16 +260,16 @@ def inject(ctx: Context | None = None) -> dict[str, str]:
 def extract(carrier: Mapping[str, str] | Iterable[tuple[str, str | bytes]]) -> Context:
     """A context from a dict or from gRPC invocation metadata."""
     if not isinstance(carrier, Mapping):
-        carrier = _carrier(carrier)
+        carrier = _carrier(carrier, set(TRACE_HEADERS))
     return _PROPAGATOR.extract(carrier)
 
 
-def _carrier(metadata: Iterable[tuple[str, str | bytes]]) -> dict[str, str]:
-    """The trace headers of gRPC metadata (the propagator reads no others)."""
+def _carrier(
+    metadata: Iterable[tuple[str, str | bytes]], fields: set[str]
+) -> dict[str, str]:
+    """The metadata entries a propagator reads (``fields``: its headers)."""
     return {
-        k: v.decode() if isinstance(v, bytes) else v
-        for k, v in metadata
-        if k in TRACE_HEADERS
+        k: v.decode() if isinstance(v, bytes) else v for k, v in metadata if k in fields
     }
 
 

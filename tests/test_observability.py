@@ -31,11 +31,15 @@ def exporting_to(receiver: Receiver) -> dict[str, str]:
 
 
 def traced_stack(
-    repository: Path, *extra_args: str
+    repository: Path, *extra_args: str, env: dict[str, str] | None = None
 ) -> Iterator[tuple[Stack, Receiver]]:
     """A serving stack that exports every span to a receiver of its own."""
     receiver = Receiver().start()
-    stack = Stack(repository, extra_args=list(extra_args), env=exporting_to(receiver))
+    stack = Stack(
+        repository,
+        extra_args=list(extra_args),
+        env={**exporting_to(receiver), **(env or {})},
+    )
     try:
         stack.wait_serving()
         yield stack, receiver
@@ -272,6 +276,78 @@ def test_errors_mark_the_span(traced: tuple[Stack, Receiver]) -> None:
             )
     spans = wait_for(lambda: [s for s in receiver.snapshot() if s.trace_id == trace_id])
     assert spans and any(s.status_code == 2 for s in spans)  # STATUS_CODE_ERROR
+
+
+def test_rpc_spans_carry_the_rpc_conventions(traced: tuple[Stack, Receiver]) -> None:
+    """A gateway's RPC spans carry OpenTelemetry's RPC attributes, the status
+    code of the call's answer included (0: OK, 3: INVALID_ARGUMENT)."""
+    stack, receiver = traced
+    trace_id = "6af7651916cd43dd8448eb211c80319c"
+    metadata = (("traceparent", f"00-{trace_id}-{CLIENT_SPAN}-01"),)
+    with grpc.insecure_channel(stack.gateway) as channel:
+        stub = berth_pb2_grpc.BerthStub(channel)
+        for texts in (["conventions"], [""]):
+            try:
+                stub.Embed(
+                    berth_pb2.EmbedRequest(model="minilm", texts=texts),
+                    metadata=metadata,
+                    timeout=30,
+                )
+            except grpc.RpcError as exc:
+                assert exc.code() is grpc.StatusCode.INVALID_ARGUMENT
+
+    def rpc_spans() -> list[ReceivedSpan]:
+        return [
+            s
+            for s in receiver.snapshot()
+            if s.trace_id == trace_id and s.name == "berth.v1.Berth/Embed"
+        ]
+
+    spans = wait_for(lambda: len(rpc_spans()) == 2 and rpc_spans())
+    assert spans, receiver.snapshot()
+    host, port = stack.gateway.rsplit(":", 1)
+    for span in spans:
+        assert span.attributes["rpc.system"] == "grpc"
+        assert span.attributes["rpc.service"] == "berth.v1.Berth"
+        assert span.attributes["rpc.method"] == "Embed"
+        assert span.attributes["server.address"] == host
+        assert span.attributes["server.port"] == int(port)
+    assert sorted(s.attributes["rpc.grpc.status_code"] for s in spans) == [0, 3]
+
+
+def test_the_callers_context_is_read_by_the_propagators_otel_names(
+    repository: Path,
+) -> None:
+    """OTEL_PROPAGATORS=baggage: a caller's traceparent is not read, so the
+    gateway's span starts a trace of its own; the hops behind it still join
+    the gateway's trace (berth's own hops always carry W3C trace context)."""
+    stacks = traced_stack(repository, env={"OTEL_PROPAGATORS": "baggage"})
+    stack, receiver = next(stacks)
+    try:
+        metadata = (("traceparent", f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"),)
+        with grpc.insecure_channel(stack.gateway) as channel:
+            berth_pb2_grpc.BerthStub(channel).Embed(
+                berth_pb2.EmbedRequest(model="minilm", texts=["propagators"]),
+                metadata=metadata,
+                timeout=30,
+            )
+
+        def exported() -> bool:
+            spans = receiver.snapshot()
+            roots = {s.trace_id for s in spans if s.name == "berth.v1.Berth/Embed"}
+            return any(s.name == "batcher.queue" and s.trace_id in roots for s in spans)
+
+        assert wait_for(exported), receiver.snapshot()
+        spans = receiver.snapshot()
+        (root,) = [s for s in spans if s.name == "berth.v1.Berth/Embed"]
+        assert root.trace_id != CLIENT_TRACE and root.parent_id != CLIENT_SPAN
+        assert all(s.trace_id != CLIENT_TRACE for s in spans)
+        # (The gateway's start-up probe has batcher spans of its own trace.)
+        assert any(
+            s.name == "batcher.queue" and s.trace_id == root.trace_id for s in spans
+        ), spans
+    finally:
+        next(stacks, None)
 
 
 def test_an_unreachable_collector_stalls_no_request(repository: Path) -> None:

@@ -134,3 +134,25 @@ def test_chatty_libraries_log_warnings_only_unless_debug(tmp_path: Path) -> None
     quiet = run("info")
     assert "ours" in quiet and "odd" in quiet and "dedup" not in quiet, quiet
     assert "dedup" in run("debug")
+
+
+def test_a_line_logged_in_a_traced_call_carries_its_trace_id() -> None:
+    """A line logged while a call's context is current ends with its trace
+    id, so it leads to the trace in Jaeger; one logged outside any carries
+    none."""
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    code = (
+        "from opentelemetry import context; "
+        "from services.logs import setup_logging; "
+        "from services.telemetry import extract; "
+        "log = setup_logging('x'); log.info('outside'); "
+        f"ctx = extract({{'traceparent': '00-{trace_id}-00f067aa0ba902b7-01'}}); "
+        "token = context.attach(ctx); log.info('inside'); context.detach(token)"
+    )
+    done = logging_python(code, "info")
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    (inside,) = [line for line in lines if "inside" in line]
+    (outside,) = [line for line in lines if "outside" in line]
+    assert inside.endswith(f"inside trace={trace_id}"), inside
+    assert "trace=" not in outside, outside
