@@ -47,12 +47,14 @@ class Unauthenticated(BerthError):
     """No key, or not one of the file's."""
 
     code = grpc.StatusCode.UNAUTHENTICATED
+    reason = "UNAUTHENTICATED"
 
 
 class PermissionDenied(BerthError):
     """A key used for a model it may not use."""
 
     code = grpc.StatusCode.PERMISSION_DENIED
+    reason = "PERMISSION_DENIED"
 
 
 class KeysFileError(ValueError):
