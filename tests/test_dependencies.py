@@ -180,16 +180,24 @@ def make() -> str:
 
 
 def installs(text: str) -> Iterator[str]:
-    """Each pip install command of a Makefile or Dockerfile (continued lines
-    joined, then split at ; and &&)."""
+    """Each pip install (or pip wheel: a build) command of a Makefile or
+    Dockerfile (continued lines joined, then split at ; and &&)."""
     lines = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
     joined = "\n".join(lines).replace("\\\n", " ")
     for command in re.split(r"\n|;|&&", joined):
-        if "pip install" in command:
+        if "pip install" in command or "pip wheel" in command:
             yield " ".join(command.split())
 
 
-@pytest.mark.parametrize("name", ["Makefile", "Dockerfile"])
+# Every Dockerfile: at the root and under deploy/ (tests/test_deploy.py
+# lints the same ones).
+DOCKERFILES = sorted(
+    str(p.relative_to(ROOT))
+    for p in [*ROOT.glob("Dockerfile*"), *(ROOT / "deploy").rglob("Dockerfile*")]
+)
+
+
+@pytest.mark.parametrize("name", ["Makefile", *DOCKERFILES])
 def test_every_install_goes_through_the_constraints(name: str) -> None:
     text = (ROOT / name).read_text()
     pinned = text.replace("$(PINNED)", "-c constraints.txt --build-constraint")
