@@ -19,8 +19,11 @@ from torch import nn
 
 from services import st_config
 
-# How a head turns scores into probabilities (head.safetensors metadata).
-PROBABILITIES = ("softmax", "ovr")
+# How a head turns scores into its outputs: softmax, or scikit-learn's
+# one-vs-rest (head.safetensors metadata); a checkpoint's own head
+# (engine/checkpoint_heads.py) also sigmoid (multi-label: a sigmoid per
+# label) or none (regression: the raw scores).
+PROBABILITIES = ("softmax", "ovr", "sigmoid", "none")
 
 
 class MeanPooling(nn.Module):
@@ -183,10 +186,15 @@ class L2Normalize(nn.Module):
 
 
 class ClassifierHead(nn.Module):
-    """Linear layer then probabilities: softmax, or one-vs-rest as sklearn's."""
+    """``transform`` (none by default), a linear layer, then the outputs:
+    softmax, one-vs-rest as sklearn's, a sigmoid per class, or the scores."""
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor, probability: str = "softmax"
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor,
+        probability: str = "softmax",
+        transform: nn.Module | None = None,
     ) -> None:
         super().__init__()
         if probability not in PROBABILITIES:
@@ -201,15 +209,20 @@ class ClassifierHead(nn.Module):
             self.linear.weight.copy_(weight)
             self.linear.bias.copy_(bias)
         self.probability = probability
+        self.transform: nn.Module = transform or nn.Identity()
 
     @property
     def num_labels(self) -> int:
         return self.linear.out_features
 
     def forward(self, pooled: torch.Tensor) -> torch.Tensor:
-        scores = self.linear(pooled)
+        scores = self.linear(self.transform(pooled))
         if self.probability == "softmax":
             return torch.softmax(scores, dim=-1)
+        if self.probability == "sigmoid":
+            return torch.sigmoid(scores)
+        if self.probability == "none":
+            return scores
         # sklearn's one-vs-rest: a sigmoid per class, rescaled to sum to 1.
         ovr = torch.sigmoid(scores)
         return ovr / ovr.sum(dim=-1, keepdim=True)

@@ -8,6 +8,7 @@ import logging
 import torch
 from torch import nn
 
+from engine.checkpoint_heads import load_checkpoint_head
 from engine.encoder import Encoder, load_encoder
 from engine.heads import (
     ClassifierHead,
@@ -30,7 +31,9 @@ class ServedModel(nn.Module):
     normalized (the gateway normalizes when asked); width = hidden size per
     pooling mode, or the last Dense layer's out_features. classify: that,
     then normalize (if the entry says so) -> linear -> probabilities; width =
-    number of labels. Everything after pooling is ``post`` (Identity when
+    number of labels (a checkpoint's own head: its hidden layers, then its
+    classifier, with softmax, a sigmoid per label or the raw scores; no
+    normalization). Everything after pooling is ``post`` (Identity when
     there is nothing), which the fused CUDA forward applies as well.
     """
 
@@ -97,7 +100,10 @@ def load_served_model(
     encoder = load_encoder(entry.checkpoint_dir, device=device, dtype=dtype)
     head = None
     labels: list[str] = []
-    if entry.task == "classify":
+    if entry.checkpoint_head:
+        head = load_checkpoint_head(entry.checkpoint_dir, entry.classifier())
+        labels = entry.label_names()
+    elif entry.task == "classify":
         if entry.head is None:
             raise RepositoryError(f"{entry.name}: a classify model needs a head")
         head = load_classifier_head(entry.path(entry.head))

@@ -138,7 +138,7 @@ class Berth:
             model, answer = await self._answer(
                 request, "embed", response, timeout_s, tenant
             )
-            vectors = model.normalized(answer.outputs, request.options)
+            vectors = model.embeddings(answer.outputs, request.options)
             response.MergeFromString(embeddings_wire(vectors, answer.tokens))
             return response, answer.measured
 
@@ -217,6 +217,8 @@ class Berth:
                     buckets=m.entry.buckets,
                     backend=m.entry.backend,
                     default_normalize=m.entry.normalize,
+                    prompt_names=sorted(m.entry.prompts),
+                    default_prompt_name=m.entry.default_prompt_name or "",
                 )
                 for m in self.gateway.models.values()
                 if (not name or m.entry.name == name) and auth.allowed(m.entry.name)

@@ -3,8 +3,11 @@
 An entry is what the engine computed for one text: its float32 output row
 (the pooled embedding before any normalization, or the probabilities), its
 token count, and the timings of the call that computed it. The key is
-(tenant, truncate, text): normalization is applied by the gateway after the
-cache, so it is not part of the key, and truncate is, so that a text over
+(tenant, truncate, prompt, text): normalization and a call's dimensions are
+applied by the gateway after the cache, to the full row, so they are not
+part of the key; the prompt the text was run with is (the model's default
+prompt when the call names none), so a text asked for with another prompt
+is never answered from this one's row; and truncate is, so that a text over
 the limit is never answered from a truncated entry when the caller did not
 ask to truncate. The tenant keeps callers apart: one never gets an answer
 another's call put in the cache (gateway.calls ``tenant_of``). A hit
@@ -30,8 +33,13 @@ ENTRY_OVERHEAD_BYTES = 256
 # tokenize_us, queue_us, inference_us, total_us of a berth_pb2.Timings.
 Timings = tuple[int, int, int, int]
 NO_TIMINGS: Timings = (0, 0, 0, 0)
-Key = tuple[str, bool, str]
+Key = tuple[str, bool, str, str]
 Entry = tuple[np.ndarray, int, Timings]
+
+
+def key_of(tenant: str, truncate: bool, prompt: str, text: str) -> Key:
+    """The cache key of a tenant's text run after ``prompt``."""
+    return (tenant, truncate, prompt, text)
 
 
 class ModelCache:
@@ -55,14 +63,17 @@ class ModelCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, tenant: str, truncate: bool, text: str) -> Entry | None:
-        """The row, token count and timings cached for a tenant's text, or
-        None (counted)."""
-        found = self._entries.get((tenant, truncate, text))
+    def get(
+        self, tenant: str, truncate: bool, text: str, prompt: str = ""
+    ) -> Entry | None:
+        """The row, token count and timings cached for a tenant's text run
+        after ``prompt``, or None (counted)."""
+        key = key_of(tenant, truncate, prompt, text)
+        found = self._entries.get(key)
         if found is None:
             self.misses += 1
             return None
-        self._entries.move_to_end((tenant, truncate, text))
+        self._entries.move_to_end(key)
         self.hits += 1
         return found[0], found[1], found[2]
 
@@ -74,16 +85,22 @@ class ModelCache:
         row: np.ndarray,
         tokens: int,
         timings: Timings = NO_TIMINGS,
+        prompt: str = "",
     ) -> None:
-        """Store a copy of one text's row, with the timings of the call that
-        computed it; evicts the least recently used."""
-        # Sized as stored (float32), whatever the dtype it comes in.
+        """Store a copy of one text's row (run after ``prompt``), with the
+        timings of the call that computed it; evicts the least recently
+        used."""
+        # Sized as stored (float32), whatever the dtype it comes in; a
+        # prompt is counted as if each entry held its own.
         size = (
-            row.size * 4 + sys.getsizeof(text) + sys.getsizeof(tenant)
+            row.size * 4
+            + sys.getsizeof(text)
+            + sys.getsizeof(tenant)
+            + (sys.getsizeof(prompt) if prompt else 0)
         ) + ENTRY_OVERHEAD_BYTES
         if size > self.max_bytes or self.max_entries <= 0:
             return
-        key = (tenant, truncate, text)
+        key = key_of(tenant, truncate, prompt, text)
         old = self._entries.pop(key, None)
         if old is not None:
             self.bytes -= old[3]
@@ -126,14 +143,20 @@ class ResponseCache:
         return cache
 
     def lookup(
-        self, model: str, tenant: str, truncate: bool, texts: list[str]
+        self,
+        model: str,
+        tenant: str,
+        truncate: bool,
+        texts: list[str],
+        prompt: str = "",
     ) -> list[Entry | None]:
-        """Per text, the tenant's cached (row, tokens, timings) or None."""
+        """Per text, the tenant's cached (row, tokens, timings) of it run
+        after ``prompt``, or None."""
         cache = self.model(model)
         if cache is None:
             return [None] * len(texts)
         t0 = time.perf_counter_ns()
-        found = [cache.get(tenant, truncate, text) for text in texts]
+        found = [cache.get(tenant, truncate, text, prompt) for text in texts]
         cache.lookup_ns += time.perf_counter_ns() - t0
         return found
 
@@ -146,13 +169,15 @@ class ResponseCache:
         rows: list[np.ndarray],
         tokens: list[int],
         timings: Timings = NO_TIMINGS,
+        prompt: str = "",
     ) -> None:
-        """Store the rows one call computed for a tenant, with its timings."""
+        """Store the rows one call computed for a tenant, its texts run
+        after ``prompt``, with its timings."""
         cache = self.model(model)
         if cache is None:
             return
         for text, row, n in zip(texts, rows, tokens, strict=True):
-            cache.put(tenant, truncate, text, row, n, timings)
+            cache.put(tenant, truncate, text, row, n, timings, prompt)
 
     @property
     def hits(self) -> int:

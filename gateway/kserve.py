@@ -111,7 +111,8 @@ class KServe:
         if model is None:
             raise UnknownModel(
                 f"unknown model {quoted(name)}; this gateway serves "
-                f"{', '.join(sorted(self.gateway.models))}"
+                f"{', '.join(sorted(self.gateway.models))}",
+                field="model_name",
             )
         if version not in ("", VERSION):
             raise UnknownModel(
@@ -199,6 +200,9 @@ class KServe:
             "buckets": ",".join(map(str, entry.buckets)),
             "pooling": entry.pooling,
             "normalize": str(entry.normalize).lower(),
+            # The names the request parameter prompt_name takes.
+            "prompts": ",".join(sorted(entry.prompts)),
+            "default_prompt_name": entry.default_prompt_name or "",
         }
         return pb.ModelConfig(
             name=entry.name,

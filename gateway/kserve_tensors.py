@@ -12,8 +12,10 @@ Inputs may come as ``raw_input_contents`` or typed ``bytes_contents``.
 Outputs go out as ``raw_output_contents`` (what Triton does and what
 tritonclient reads), or typed contents when the request sets the parameter
 ``binary_data_output`` (or every requested output's ``binary_data``) to
-false. Request parameters ``truncate`` and ``normalize`` map onto berth's
-options.
+false. Request parameters ``truncate``, ``normalize``, ``prompt_name``,
+``prompt`` and ``dimensions`` map onto berth's options of the same names;
+with ``dimensions`` D, EMBEDDING is [N, D] (ModelMetadata gives the full
+width).
 
 The classification extension works as in Triton: a requested FP32 output
 with the parameter ``classification`` = k (tritonclient's ``class_count``)
@@ -30,6 +32,7 @@ import numpy as np
 
 from gateway.berth import packed_floats
 from gateway.echo import quoted
+from gateway.options import check_dimensions
 from gateway.pipeline import Model
 from services.errors import InvalidInput
 from services.proto.berth.v1 import berth_pb2
@@ -171,6 +174,32 @@ def flag(name: str, value: pb.InferParameter) -> bool:
     raise InvalidInput(f"parameter {name!r} must be a bool, got {kind or 'nothing'}")
 
 
+def text(name: str, value: pb.InferParameter) -> str:
+    """A string parameter: string_param."""
+    kind = value.WhichOneof("parameter_choice")
+    if kind != "string_param":
+        raise InvalidInput(
+            f"parameter {name!r} must be a string, got {kind or 'nothing'}"
+        )
+    return value.string_param
+
+
+def dimensions(model: Model, value: pb.InferParameter) -> int:
+    """The ``dimensions`` parameter: int64_param or uint64_param (or a
+    string of digits), 0 for the full width; raises InvalidInput."""
+    kind = value.WhichOneof("parameter_choice")
+    if kind in ("int64_param", "uint64_param"):
+        n = int(getattr(value, kind))
+    elif kind == "string_param" and value.string_param.strip().isdigit():
+        n = int(value.string_param)
+    else:
+        raise InvalidInput(
+            f"parameter 'dimensions' must be an integer, got {kind or 'nothing'}"
+        )
+    check_dimensions(model.entry, model.dimension, n)
+    return n
+
+
 @dataclass
 class Call:
     """What one ModelInfer request asks for, validated."""
@@ -193,6 +222,12 @@ def parse_call(
             options.truncate = flag(name, value)
         elif name == "normalize" and model.entry.task == "embed":
             options.normalize = flag(name, value)
+        elif name == "dimensions" and model.entry.task == "embed":
+            options.dimensions = dimensions(model, value)
+        elif name == "prompt_name":
+            options.prompt_name = text(name, value)
+        elif name == "prompt":
+            options.prompt = text(name, value)
         elif name == "binary_data_output":
             binary = flag(name, value)
         elif name == "timeout":  # tritonclient's, in microseconds
@@ -202,10 +237,11 @@ def parse_call(
                 limit_s = value.int64_param / 1e6
                 timeout_s = limit_s if timeout_s is None else min(timeout_s, limit_s)
         elif name not in IGNORED_PARAMETERS:
-            known = "truncate" + (", normalize" if model.entry.task == "embed" else "")
+            embed = ", normalize, dimensions" if model.entry.task == "embed" else ""
             raise InvalidInput(
                 f"parameter {quoted(name)} is not understood by {model.entry.task} "
-                f"model {model.entry.name!r}; it takes {known}, binary_data_output"
+                f"model {model.entry.name!r}; it takes truncate{embed}, "
+                "prompt_name, prompt, binary_data_output"
             )
     available = {o[0]: o for o in outputs_of(model)}
     outputs, per_output, classes = [], set(), {}
@@ -246,12 +282,12 @@ def shape_outputs(
         model_name=model.entry.name, model_version=VERSION, id=request.id
     )
     n = len(rows)
-    for name, datatype, shape in call.outputs:
+    for name, datatype, _ in call.outputs:
         if name == LABEL:
             labels = [model.labels[i].encode() for i in np.argmax(rows, axis=1)]
             add_bytes(response, name, [n], labels, call.binary)
             continue
-        values = model.normalized(rows, call.options) if name == EMBEDDING else rows
+        values = model.embeddings(rows, call.options) if name == EMBEDDING else rows
         values = np.ascontiguousarray(values, dtype="<f4")
         if name in call.classes:  # ranks the FP32 values the output would carry
             k = min(call.classes[name], values.shape[1])
@@ -259,9 +295,8 @@ def shape_outputs(
             items = top_classes(values, k, labels)
             add_bytes(response, name, [n, k], items, call.binary)
             continue
-        tensor = response.outputs.add(
-            name=name, datatype=datatype, shape=[n, *shape[1:]]
-        )
+        # EMBEDDING's width is the call's dimensions where it sets them.
+        tensor = response.outputs.add(name=name, datatype=datatype, shape=values.shape)
         if call.binary:
             response.raw_output_contents.append(values.tobytes())
         else:

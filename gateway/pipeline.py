@@ -22,6 +22,7 @@ from gateway import auth, metrics
 from gateway.batcher_client import Batching
 from gateway.cache import Entry, ResponseCache, Timings
 from gateway.echo import quoted
+from gateway.options import Prompts, check_dimensions, truncated
 from gateway.tokenize import Limits, TextEncoder
 from services.errors import (
     BerthError,
@@ -122,6 +123,7 @@ class Model:
         self.encoder = TextEncoder(entry, limits)
         self.labels = entry.label_names()
         self.dimension = entry.output_width()
+        self.prompts = Prompts(entry, self.encoder.tokenizer, self.encoder.max_chars)
         self.fallback: FallbackModel | None
         try:
             self.fallback = FallbackModel.load(entry)
@@ -130,6 +132,18 @@ class Model:
                 "model %s has no CPU fallback (level 3 off): %s", entry.name, exc
             )
             self.fallback = None
+
+    def prompt(self, options: berth_pb2.Options) -> str:
+        """The prompt a call's texts get, its options checked against the
+        model (gateway.options); raises InvalidInput."""
+        check_dimensions(self.entry, self.dimension, options.dimensions)
+        return self.prompts.of(options)
+
+    def embeddings(self, vectors: np.ndarray, options: berth_pb2.Options) -> np.ndarray:
+        """Embeddings as a call's options ask for them: the first
+        ``dimensions`` values of each (0: all), then normalized (as
+        :meth:`normalized`), as sentence-transformers' truncate_dim."""
+        return self.normalized(truncated(vectors, options.dimensions), options)
 
     def normalized(self, vectors: np.ndarray, options: berth_pb2.Options) -> np.ndarray:
         """Embeddings at unit length if the call's options ask for it (if
@@ -179,7 +193,9 @@ class Gateway:
         if model is None:
             raise InvalidInput(
                 f"unknown model {quoted(name)}; this gateway serves "
-                f"{', '.join(sorted(self.models))}"
+                f"{', '.join(sorted(self.models))}",
+                field="model",
+                reason="UNKNOWN_MODEL",
             )
         if task is not None and model.entry.task != task:
             verb = "Embed" if model.entry.task == "embed" else "Classify"
@@ -199,15 +215,18 @@ class Gateway:
     ) -> Answer:
         """Tokenize and run texts: outputs [N, width], token counts, degraded.
 
-        Texts found in the ``tenant``'s response cache skip tokenization and
-        the batcher; a call whose texts all hit never reaches the batcher.
-        ``timings`` gets what the caller is told (:func:`reported`).
+        Texts found in the ``tenant``'s response cache (under the call's
+        prompt) skip tokenization and the batcher; a call whose texts all
+        hit never reaches the batcher. ``timings`` gets what the caller is
+        told (:func:`reported`). The outputs are the full rows: the caller
+        applies ``dimensions`` and normalization (Model.embeddings).
         """
         t0 = time.perf_counter()
         name, truncate = model.entry.name, options.truncate
         model.encoder.check_count(texts)
+        prompt = model.prompt(options)
         with span_if_recording(TRACER, "gateway.cache"):
-            found = self.cache.lookup(name, tenant, truncate, texts)
+            found = self.cache.lookup(name, tenant, truncate, texts, prompt)
         if self.cache.enabled:
             hits = sum(f is not None for f in found)
             metrics.CACHE.labels(name, "hit").inc(hits)
@@ -227,11 +246,11 @@ class Gateway:
         if misses:
             try:
                 with span_if_recording(TRACER, "gateway.tokenize"):
-                    ids = await self._tokenize(model, misses, truncate)
+                    ids = await self._tokenize(model, misses, truncate, prompt)
             except InvalidInput:
                 if len(misses) < len(texts):
                     # Check the whole call so the error names the caller's index.
-                    await self._tokenize(model, texts, truncate)
+                    await self._tokenize(model, texts, truncate, prompt)
                 raise
             t1 = time.perf_counter()
             rows, degraded = await self._infer(model, ids, timeout_s, measured)
@@ -240,7 +259,9 @@ class Gateway:
             measured.total_us = int((time.perf_counter() - t0) * 1e6)
             if not degraded:  # a fallback's answer is never cached
                 own = stamp(measured)
-                self.cache.insert(name, tenant, truncate, misses, rows, counts, own)
+                self.cache.insert(
+                    name, tenant, truncate, misses, rows, counts, own, prompt
+                )
         if len(misses) < len(texts):  # some cached, or a text twice
             computed = dict(zip(misses, zip(rows, counts, strict=True), strict=True))
             answers = [
@@ -267,13 +288,14 @@ class Gateway:
         )
 
     async def _tokenize(
-        self, model: Model, texts: list[str], truncate: bool
+        self, model: Model, texts: list[str], truncate: bool, prompt: str
     ) -> list[np.ndarray]:
-        """Token ids per text. A short call is tokenized right here: the
-        tokenizer takes microseconds for it, less than a hop to a thread."""
+        """Token ids per text, after ``prompt``. A short call is tokenized
+        right here: the tokenizer takes microseconds for it, less than a hop
+        to a thread."""
         if sum(map(len, texts)) <= INLINE_TOKENIZE_CHARS:
-            return model.encoder.encode(texts, truncate)
-        return await self.in_threads(model.encoder.encode, texts, truncate)
+            return model.encoder.encode(texts, truncate, prompt)
+        return await self.in_threads(model.encoder.encode, texts, truncate, prompt)
 
     async def _infer(
         self,

@@ -39,8 +39,9 @@ class TextEncoder:
         # (all-MiniLM ships truncation at 128, padding to 128) must not apply.
         # Lowercasing, where the entry asks for it, is in its normalizer.
         self.tokenizer = entry.tokenizer()
-        # Prepended to every text, as sentence-transformers' encode prepends
-        # the default prompt; its tokens count towards the limit.
+        # Prepended to every text of a call that names no prompt of its own,
+        # as sentence-transformers' encode prepends the default prompt; a
+        # prompt's tokens count towards the limit.
         self.prompt = entry.prompt
 
     def check_count(self, texts: list[str]) -> None:
@@ -52,9 +53,13 @@ class TextEncoder:
                 f"{self.max_texts} (gateway flag --max-texts)"
             )
 
-    def encode(self, texts: list[str], truncate: bool) -> list[np.ndarray]:
-        """int32 token ids per text, [CLS] ... [SEP]; raises InvalidInput."""
+    def encode(
+        self, texts: list[str], truncate: bool, prompt: str | None = None
+    ) -> list[np.ndarray]:
+        """int32 token ids per text, [CLS] ... [SEP], each text after
+        ``prompt`` (None: the model's default prompt); raises InvalidInput."""
         self.check_count(texts)
+        prompt = self.prompt if prompt is None else prompt
         prepared = []
         for i, text in enumerate(texts):
             if not text:
@@ -63,7 +68,7 @@ class TextEncoder:
                 if not truncate:
                     raise self._too_long(i, text, "shorten it or set options.truncate")
                 text = text[: self.max_chars]
-            prepared.append(self.prompt + text)
+            prepared.append(prompt + text)
         # encode_batch_fast: encode_batch's ids without the character offsets,
         # which berth never reads: one text of benchmarks/e2e.py's mix (~100
         # characters) takes 23.1 µs against encode's 27.2 on the dev
@@ -85,7 +90,7 @@ class TextEncoder:
                 )
             if len(ids) > self.max_tokens:
                 if not truncate:
-                    prompted = " (its prompt's included)" if self.prompt else ""
+                    prompted = " (its prompt's included)" if prompt else ""
                     raise InvalidInput(
                         f"texts[{i}] has {len(ids)} tokens{prompted}, over the "
                         f"limit of {self.max_tokens} for model {self.model!r}; "

@@ -27,7 +27,8 @@ from services.repository import ModelEntry, checkpoint_shape
 
 FALLBACK_FILE = "fallback.safetensors"
 FORMAT = "berth-fallback/1"
-PROBABILITIES = ("softmax", "ovr")
+# engine/heads.py's: softmax, one-vs-rest, a sigmoid per label, the scores.
+PROBABILITIES = ("softmax", "ovr", "sigmoid", "none")
 _TINY = 1e-12
 
 
@@ -224,6 +225,10 @@ class FallbackModel:
         if self.normalize:
             pooled = _unit(pooled)
         scores = pooled @ self.head_weight.T + self.head_bias
+        if self.probability == "none":  # regression: the scores themselves
+            return scores.astype(np.float32)
+        if self.probability == "sigmoid":  # multi-label
+            return (1.0 / (1.0 + np.exp(-scores))).astype(np.float32)
         if self.probability == "softmax":
             exp = np.exp(scores - scores.max(axis=1, keepdims=True))
         else:  # scikit-learn's one-vs-rest: a sigmoid per class, rescaled

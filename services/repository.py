@@ -10,7 +10,9 @@ A repository looks like::
 
 ``berth.json`` holds one :class:`ModelEntry`. ``checkpoint`` is a Hugging Face
 checkpoint directory (config.json, *.safetensors, tokenizer.json), absolute or
-relative to the entry's own directory.
+relative to the entry's own directory. A classify entry with neither head nor
+labels serves the checkpoint's own ``*ForSequenceClassification`` head
+(services/hf_classifier.py): its pooling, its id2label names.
 
 A field is taken from, in order: ``berth.json`` where it is written there;
 else the checkpoint's sentence-transformers configuration where it has one
@@ -25,7 +27,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from services import st_config
+from services import hf_classifier, st_config
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -141,7 +143,26 @@ class ModelEntry:
             width = st_config.read_dense(self.path(directory)).out_features
         return width
 
+    @property
+    def checkpoint_head(self) -> bool:
+        """A classify entry without head and labels: the checkpoint's own
+        ``*ForSequenceClassification`` head (services/hf_classifier.py)."""
+        return self.task == "classify" and self.head is None and self.labels is None
+
+    def classifier(self) -> hf_classifier.CheckpointClassifier:
+        """The checkpoint's own classifier (for a ``checkpoint_head`` entry)."""
+        found = hf_classifier.read_classifier(self.checkpoint_dir)
+        if found is None:
+            raise RepositoryError(
+                f"{self.name}: a classify model needs head and labels, or a "
+                f"*ForSequenceClassification checkpoint ({self.checkpoint_dir} "
+                "names none in config.json's architectures)"
+            )
+        return found
+
     def label_names(self) -> list[str]:
+        if self.checkpoint_head:
+            return self.classifier().labels
         if self.labels is None:
             return []
         labels_file = self.path(self.labels)
@@ -287,15 +308,21 @@ def load_entry(entry_dir: Path) -> ModelEntry:
                 f"{config_file}: {key} must be one of {', '.join(allowed)}, "
                 f"not {value!r}"
             )
-    if entry.task == "classify" and (entry.head is None or entry.labels is None):
-        raise RepositoryError(f"{config_file}: a classify model needs head and labels")
+    if entry.task == "classify" and (entry.head is None) != (entry.labels is None):
+        raise RepositoryError(
+            f"{config_file}: a classify model needs both head and labels, or "
+            "neither (the checkpoint's own *ForSequenceClassification head)"
+        )
     if not entry.tokenizer_file.is_file():
         raise RepositoryError(
             f"{config_file}: no tokenizer.json in {entry.checkpoint_dir}"
         )
-    _apply_sentence_config(entry, set(data), config_file)
+    if entry.checkpoint_head:
+        _apply_checkpoint_head(entry, set(data), config_file)
+    else:
+        _apply_sentence_config(entry, set(data), config_file)
     _check_pipeline(entry, config_file)
-    if entry.task == "classify":
+    if entry.task == "classify" and not entry.checkpoint_head:
         _check_classifier(entry, config_file)
     try:
         positions = position_limit(entry.checkpoint_dir)
@@ -335,6 +362,27 @@ def _apply_sentence_config(
             setattr(entry, key, value)
     if "max_tokens" not in explicit:
         entry.max_tokens = min(entry.max_tokens, MAX_TOKENS_CAP)
+
+
+def _apply_checkpoint_head(
+    entry: ModelEntry, explicit: set[str], config_file: Path
+) -> None:
+    """The checkpoint's own classifier decides what comes after the encoder:
+    its pooling, no normalization, no Dense layers; its sentence-transformers
+    configuration, if any, is not read."""
+    try:
+        classifier = entry.classifier()
+    except (RepositoryError, hf_classifier.ClassifierConfigError) as exc:
+        raise RepositoryError(f"{config_file}: {exc}") from exc
+    for key in ("pooling", "normalize", "dense"):
+        if key in explicit:
+            raise RepositoryError(
+                f"{config_file}: {key} is set by the checkpoint's own "
+                f"{classifier.architecture} head; leave it out of berth.json "
+                "(or give head and labels to serve a head of your own)"
+            )
+    entry.pooling = classifier.pooling
+    entry.normalize = False
 
 
 def _check_pipeline(entry: ModelEntry, config_file: Path) -> None:

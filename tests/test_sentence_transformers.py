@@ -126,12 +126,14 @@ def save_model(directory: Path, encoder_dir: Path, spec: dict[str, Any]) -> Path
         width = out
     if spec.get("norm"):
         layers.append(modules.Normalize())
+    # "prompt": the one prompt, "query", the default; or "prompts" by name
+    # and "default_prompt" (a name or None).
     prompt = spec.get("prompt")
     model = SentenceTransformer(
         modules=layers,
         device="cpu",
-        prompts={"query": prompt} if prompt else None,
-        default_prompt_name="query" if prompt else None,
+        prompts=spec.get("prompts", {"query": prompt} if prompt else None),
+        default_prompt_name=spec.get("default_prompt", "query" if prompt else None),
     )
     model.save(str(directory))
     return directory

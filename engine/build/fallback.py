@@ -19,7 +19,10 @@ built. For each entry it writes ``<repo>/<model>/fallback.safetensors``
    (shipped), spans and concatenations of them, and a sample of the
    one-token texts. It raises held-out cosine from about 0.63 to 0.77.
 4. Classify: the primary's own head on that embedding. Fine-tuning the head
-   on the fallback's embeddings did not raise held-out agreement.
+   on the fallback's embeddings did not raise held-out agreement. For a
+   checkpoint's own ``*ForSequenceClassification`` head the embedding is
+   what the head's last linear layer reads (the pooled vector through its
+   hidden layers), and the fallback applies that layer.
 
 Agreement with the primary on data/heldout_*.txt (never fitted) is measured
 at build time, logged and stored in the artifact's metadata.
@@ -42,6 +45,7 @@ from safetensors.numpy import save as save_safetensors
 from tokenizers import Tokenizer
 from torch import nn
 
+from engine.checkpoint_heads import load_checkpoint_head
 from engine.encoder import load_encoder
 from engine.heads import load_classifier_head, load_dense, make_pooling, pooled_width
 from services import files
@@ -128,12 +132,17 @@ class Primary:
         self.pooling = make_pooling(entry.pooling, entry.pooling_skip())
         # The one-token texts of the distillation pass carry no prompt.
         self.bare_pooling = make_pooling(entry.pooling)
-        dense = [load_dense(entry.path(d)) for d in entry.dense]
+        dense: list[nn.Module] = [load_dense(entry.path(d)) for d in entry.dense]
+        if entry.checkpoint_head:
+            # A checkpoint's own head: the fallback maps into the space its
+            # last linear layer reads, and applies that layer.
+            head = load_checkpoint_head(entry.checkpoint_dir, entry.classifier())
+            dense.append(head.transform)
         self.dense = nn.Sequential(*dense)
         hidden = self.encoder.hidden_size
-        self.width = (
-            dense[-1].out_features if dense else pooled_width(entry.pooling, hidden)
-        )
+        self.width = pooled_width(entry.pooling, hidden)
+        if entry.dense:
+            self.width = load_dense(entry.path(entry.dense[-1])).out_features
 
     @torch.inference_mode()
     def embed(self, ids_list: list[np.ndarray]) -> np.ndarray:
@@ -276,8 +285,12 @@ def assemble(entry: ModelEntry, distilled: Distillation) -> FallbackModel:
     """``entry``'s fallback: the shared distillation plus its head, if any."""
     head_weight = head_bias = None
     probability = "softmax"
-    if entry.task == "classify" and entry.head is not None:
-        head = load_classifier_head(entry.path(entry.head))
+    if entry.task == "classify":
+        head = (
+            load_checkpoint_head(entry.checkpoint_dir, entry.classifier())
+            if entry.checkpoint_head
+            else load_classifier_head(entry.path(entry.head or ""))
+        )
         head_weight = head.linear.weight.detach().numpy().astype(np.float32)
         head_bias = head.linear.bias.detach().numpy().astype(np.float32)
         probability = head.probability
@@ -354,14 +367,22 @@ def fingerprint(entry: ModelEntry) -> str:
 
 def served_spec(entry: ModelEntry) -> str:
     """What else shapes the primary's embeddings, where the entry sets it
-    ("" for none): Dense layers, lowercasing, the prompt."""
+    ("" for none): Dense layers, lowercasing, the prompt, a checkpoint's own
+    head (whose hidden layers the embeddings then pass)."""
     spec = {
         "dense": entry.dense,
         "lowercase": entry.lowercase,
         "prompt": entry.prompt,
         "include_prompt": entry.include_prompt,
+        "checkpoint_head": entry.checkpoint_head,
     }
-    defaults = {"dense": [], "lowercase": False, "prompt": "", "include_prompt": True}
+    defaults = {
+        "dense": [],
+        "lowercase": False,
+        "prompt": "",
+        "include_prompt": True,
+        "checkpoint_head": False,
+    }
     return "" if spec == defaults else json.dumps(spec, sort_keys=True)
 
 
@@ -382,8 +403,11 @@ def write_fallback(
     files.write_bytes(path, data)
 
 
-def build_fallbacks(root: Path, force: bool = False) -> list[Path]:
-    """Write every model's fallback under ``root``; returns their paths.
+def build_fallbacks(
+    root: Path, force: bool = False, names: list[str] | None = None
+) -> list[Path]:
+    """Write every model's fallback under ``root`` (those of ``names`` only,
+    where given); returns their paths.
 
     Idempotent: an artifact whose fingerprint matches its inputs is left
     alone unless ``force``. Models sharing a checkpoint share one distillation.
@@ -392,6 +416,8 @@ def build_fallbacks(root: Path, force: bool = False) -> list[Path]:
     built: list[Path] = []
     shared: dict[tuple[str, str], Distillation] = {}
     for entry in load_repository(root).values():
+        if names is not None and entry.name not in names:
+            continue
         path = fallback_path(entry)
         digest = fingerprint(entry)
         if not force and built_fingerprint(path) == digest:

@@ -81,6 +81,8 @@ def model_fingerprint(entry: ModelEntry) -> str:
     skip = entry.pooling_skip()
     if skip:
         parts["skip"] = skip
+    if entry.checkpoint_head:
+        parts["head"] = "checkpoint"
     blob = json.dumps(parts, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()
 

@@ -36,9 +36,15 @@ def _stub(args: argparse.Namespace) -> Any:
 def _options(args: argparse.Namespace) -> Any:
     from services.proto.berth.v1 import berth_pb2
 
-    options = berth_pb2.Options(truncate=args.truncate)
+    options = berth_pb2.Options(
+        truncate=args.truncate,
+        prompt_name=args.prompt_name,
+        dimensions=getattr(args, "dimensions", 0),
+    )
     if args.normalize is not None:
         options.normalize = args.normalize
+    if args.prompt is not None:
+        options.prompt = args.prompt
     return options
 
 

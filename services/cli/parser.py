@@ -116,6 +116,16 @@ def _serve_process_flags(serve: argparse.ArgumentParser) -> None:
 def _serve_runtime_flags(serve: argparse.ArgumentParser) -> None:
     """serve's models, metrics ports, and how its processes use the CPUs."""
     add_flag(serve, "build-models", True, "build the default models if missing")
+    serve.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="[NAME=]DIR",
+        help="serve this Hugging Face checkpoint directory as it is (repeat "
+        "for more): its task, pooling, limits and labels read from it, named "
+        "NAME or after the directory; served next to --model-repository's "
+        "models",
+    )
     add_flag(
         serve,
         "metrics-port",
@@ -205,6 +215,23 @@ def _client_parsers(sub: Subcommands) -> None:
         p.add_argument(
             "--normalize", action=argparse.BooleanOptionalAction, default=None
         )
+        p.add_argument(
+            "--prompt-name",
+            default="",
+            help="prepend the model's prompt of this name to every text",
+        )
+        p.add_argument(
+            "--prompt",
+            default=None,
+            help="prepend this string to every text ('': no prompt)",
+        )
+        if name == "embed":
+            p.add_argument(
+                "--dimensions",
+                type=_whole,
+                default=0,
+                help="keep the first N values of each embedding (0: all)",
+            )
         if name == "classify":
             p.add_argument("--top-k", type=int, default=1)
         _client_flags(p)
@@ -224,6 +251,13 @@ def _client_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "address", DEFAULT_ADDRESS, "gateway address")
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds to wait")
     add_client_tls_flags(parser)
+
+
+def _whole(raw: str) -> int:
+    """An argparse type: a whole number of 0 or more (a uint32)."""
+    if not raw.isascii() or not raw.isdigit() or int(raw) >= 2**32:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a whole number of 0 or more")
+    return int(raw)
 
 
 def _positive(raw: str) -> int:

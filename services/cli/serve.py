@@ -12,6 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from services.cli.checkpoints import generated_names, plan_models, write_repository
 from services.cli.client import DEFAULT_ADDRESS, health_status
 from services.cli.default_models import build_models
 from services.cli.plan import Plan, plan_stack, summary
@@ -40,6 +41,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # export) takes minutes, and a bad flag should not wait for it.
     try:
         check_flags(args)
+        if args.model:
+            args.model_repository = str(checkpoint_repository(args))
         plan = plan_stack(args, serve_devices(args.device))
         check_listeners(plan.listeners)
     except ValueError as exc:
@@ -94,12 +97,32 @@ def check_flags(args: argparse.Namespace) -> None:
             )
 
 
+def checkpoint_repository(args: argparse.Namespace) -> Path:
+    """The generated repository of the --model checkpoints and the
+    --model-repository's entries (services/cli/checkpoints.py)."""
+    from engine.settings import current
+
+    models = plan_models(args.model)
+    root = write_repository(models, Path(args.model_repository), current().cache_dir)
+    for model in models:
+        log.info(
+            "--model %s: %s, served as %r", model.directory, model.task, model.name
+        )
+    return root
+
+
 def launch(plan: Plan) -> Supervisor:
     """Builds the default models into an empty repository, then starts the
     planned children (and the --idle-cpus spinners before them)."""
     args = plan.args
     repo = Path(args.model_repository)
-    if args.build_models and not any(repo.glob("*/berth.json")):
+    if args.build_models and args.model:
+        # The fallbacks of the --model checkpoints, as build-models builds
+        # them (cached beside their generated entries).
+        from engine.build.fallback import build_fallbacks
+
+        build_fallbacks(repo, names=generated_names(repo))
+    elif args.build_models and not any(repo.glob("*/berth.json")):
         # Only an empty repository gets the defaults: a user's own entries,
         # whatever their names, are never rewritten.
         build_models(repo)

@@ -94,6 +94,13 @@ def calls(args: dict[str, Any]) -> dict[str, Any]:
         assert len(berth.call("Embed", request).embeddings) == 1
         echoed = berth.embed(["an id"], model="minilm", request_id=7)
         assert echoed.response.request_id == 7
+        # Options' fields too: a prompt, and the first 8 values renormalized.
+        short = berth.embed(["hello"], model="minilm", prompt="q: ", dimensions=8)
+        assert len(short.vectors[0]) == 8 and short.tokens[0] == 5, short
+        assert abs(math.hypot(*short.vectors[0]) - 1) < 1e-3
+        raises(
+            InvalidInput, lambda: berth.embed(["x"], model="minilm", prompt_name="?")
+        )
         raises_type(lambda: berth.embed(["x"], model="minilm", no_such_field=1))
         raises_type(lambda: berth.embed("one string", model="minilm"))
         raises(InvalidInput, lambda: berth.embed([], model="minilm"))

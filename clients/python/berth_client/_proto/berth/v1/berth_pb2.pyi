@@ -7,12 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Options(_message.Message):
-    __slots__ = ("truncate", "normalize")
+    __slots__ = ("truncate", "normalize", "prompt_name", "prompt", "dimensions")
     TRUNCATE_FIELD_NUMBER: _ClassVar[int]
     NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_NAME_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
     truncate: bool
     normalize: bool
-    def __init__(self, truncate: _Optional[bool] = ..., normalize: _Optional[bool] = ...) -> None: ...
+    prompt_name: str
+    prompt: str
+    dimensions: int
+    def __init__(self, truncate: _Optional[bool] = ..., normalize: _Optional[bool] = ..., prompt_name: _Optional[str] = ..., prompt: _Optional[str] = ..., dimensions: _Optional[int] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
     __slots__ = ("model", "texts", "options", "request_id")
@@ -135,7 +141,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class ModelDescription(_message.Message):
-    __slots__ = ("name", "task", "dimension", "labels", "max_tokens", "buckets", "backend", "default_normalize")
+    __slots__ = ("name", "task", "dimension", "labels", "max_tokens", "buckets", "backend", "default_normalize", "prompt_names", "default_prompt_name")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     DIMENSION_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +150,8 @@ class ModelDescription(_message.Message):
     BUCKETS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_NAMES_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_PROMPT_NAME_FIELD_NUMBER: _ClassVar[int]
     name: str
     task: str
     dimension: int
@@ -152,7 +160,9 @@ class ModelDescription(_message.Message):
     buckets: _containers.RepeatedScalarFieldContainer[int]
     backend: str
     default_normalize: bool
-    def __init__(self, name: _Optional[str] = ..., task: _Optional[str] = ..., dimension: _Optional[int] = ..., labels: _Optional[_Iterable[str]] = ..., max_tokens: _Optional[int] = ..., buckets: _Optional[_Iterable[int]] = ..., backend: _Optional[str] = ..., default_normalize: _Optional[bool] = ...) -> None: ...
+    prompt_names: _containers.RepeatedScalarFieldContainer[str]
+    default_prompt_name: str
+    def __init__(self, name: _Optional[str] = ..., task: _Optional[str] = ..., dimension: _Optional[int] = ..., labels: _Optional[_Iterable[str]] = ..., max_tokens: _Optional[int] = ..., buckets: _Optional[_Iterable[int]] = ..., backend: _Optional[str] = ..., default_normalize: _Optional[bool] = ..., prompt_names: _Optional[_Iterable[str]] = ..., default_prompt_name: _Optional[str] = ...) -> None: ...
 
 class ModelInfoResponse(_message.Message):
     __slots__ = ("models",)
