@@ -26,8 +26,6 @@ import pytest
 import tritonclient.grpc as triton
 from tritonclient.utils import InferenceServerException
 
-from engine.onnx_backend import OnnxRuntimeBackend
-from engine.torch_backend import TorchBackend
 from gateway.cache import ModelCache
 from gateway.options import check_dimensions
 from gateway.pipeline import Model
@@ -43,6 +41,7 @@ from tests.test_sentence_transformers import (  # noqa: F401  (a fixture)
     add_entry,
     agreement,
     encoder_dir,
+    loaded_backends,
     save_model,
 )
 
@@ -110,12 +109,7 @@ def entries(repository_dir: Path) -> dict[str, ModelEntry]:
 def backends(
     entries: dict[str, ModelEntry], tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Any]:
-    torch_backend = TorchBackend("cpu")
-    onnx = OnnxRuntimeBackend("cpu", threads=2, cache=tmp_path_factory.mktemp("c"))
-    for entry in entries.values():
-        torch_backend.load(entry)
-        onnx.load(entry)
-    return {"torch": torch_backend, "onnxruntime": onnx}
+    return loaded_backends(entries, tmp_path_factory.mktemp("c"))
 
 
 _ST_MODELS: dict[Path, Any] = {}

@@ -196,16 +196,21 @@ def entries(repository_dir: Path) -> dict[str, ModelEntry]:
     return load_repository(repository_dir)
 
 
-@pytest.fixture(scope="module")
-def backends(
-    entries: dict[str, ModelEntry], tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, Any]:
+def loaded_backends(entries: dict[str, ModelEntry], cache: Path) -> dict[str, Any]:
+    """The torch and onnxruntime CPU backends with every entry loaded."""
     torch_backend = TorchBackend("cpu")
-    onnx = OnnxRuntimeBackend("cpu", threads=2, cache=tmp_path_factory.mktemp("c"))
+    onnx = OnnxRuntimeBackend("cpu", threads=2, cache=cache)
     for entry in entries.values():
         torch_backend.load(entry)
         onnx.load(entry)
     return {"torch": torch_backend, "onnxruntime": onnx}
+
+
+@pytest.fixture(scope="module")
+def backends(
+    entries: dict[str, ModelEntry], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
+    return loaded_backends(entries, tmp_path_factory.mktemp("c"))
 
 
 def reference(entry: ModelEntry, texts: list[str]) -> np.ndarray:

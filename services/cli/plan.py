@@ -230,14 +230,10 @@ def internal_tls_flags(args: argparse.Namespace) -> tuple[str, ...]:
     """Every child's --internal-tls-* flags, serve's own ('' too, as for
     tls_flags)."""
     return (
-        *(
-            item
-            for flag, path in (
-                ("--internal-tls-cert", args.internal_tls_cert),
-                ("--internal-tls-key", args.internal_tls_key),
-                ("--internal-tls-ca", args.internal_tls_ca),
-            )
-            for item in (flag, path and os.path.abspath(path))
+        *path_flags(
+            ("--internal-tls-cert", args.internal_tls_cert),
+            ("--internal-tls-key", args.internal_tls_key),
+            ("--internal-tls-ca", args.internal_tls_ca),
         ),
         *("--internal-tls-server-name", args.internal_tls_server_name),
     )
@@ -246,14 +242,17 @@ def internal_tls_flags(args: argparse.Namespace) -> tuple[str, ...]:
 def tls_flags(args: argparse.Namespace) -> tuple[str, ...]:
     """A gateway's --tls-* flags, serve's own ('' too: a BERTH_TLS_* set
     where serve runs must not turn TLS on behind serve's back)."""
+    return path_flags(
+        ("--tls-cert", args.tls_cert),
+        ("--tls-key", args.tls_key),
+        ("--tls-client-ca", args.tls_client_ca),
+    )
+
+
+def path_flags(*flags: tuple[str, str]) -> tuple[str, ...]:
+    """Each (flag, path) as the flag and the absolute path ('' stays '')."""
     return tuple(
-        item
-        for flag, path in (
-            ("--tls-cert", args.tls_cert),
-            ("--tls-key", args.tls_key),
-            ("--tls-client-ca", args.tls_client_ca),
-        )
-        for item in (flag, path and os.path.abspath(path))
+        item for flag, path in flags for item in (flag, path and os.path.abspath(path))
     )
 
 
