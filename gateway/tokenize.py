@@ -46,11 +46,12 @@ class TextEncoder:
 
     def check_count(self, texts: list[str]) -> None:
         if not texts:
-            raise InvalidInput("texts is empty: send at least 1 text")
+            raise InvalidInput("texts is empty: send at least 1 text", field="texts")
         if len(texts) > self.max_texts:
             raise InvalidInput(
                 f"too many texts: {len(texts)} in one call, the limit is "
-                f"{self.max_texts} (gateway flag --max-texts)"
+                f"{self.max_texts} (gateway flag --max-texts)",
+                field="texts",
             )
 
     def encode(
@@ -63,7 +64,10 @@ class TextEncoder:
         prepared = []
         for i, text in enumerate(texts):
             if not text:
-                raise InvalidInput(f"texts[{i}] is empty: every text needs characters")
+                raise InvalidInput(
+                    f"texts[{i}] is empty: every text needs characters",
+                    field=f"texts[{i}]",
+                )
             if len(text) > self.max_chars:
                 if not truncate:
                     raise self._too_long(i, text, "shorten it or set options.truncate")
@@ -86,7 +90,8 @@ class TextEncoder:
                 raise InvalidInput(
                     f"texts[{i}] has no tokens for model {self.model!r} (its "
                     f"{len(texts[i])} characters are all ones its tokenizer "
-                    "drops, such as whitespace); every text needs a token"
+                    "drops, such as whitespace); every text needs a token",
+                    field=f"texts[{i}]",
                 )
             if len(ids) > self.max_tokens:
                 if not truncate:
@@ -94,7 +99,8 @@ class TextEncoder:
                     raise InvalidInput(
                         f"texts[{i}] has {len(ids)} tokens{prompted}, over the "
                         f"limit of {self.max_tokens} for model {self.model!r}; "
-                        "shorten it or set options.truncate"
+                        "shorten it or set options.truncate",
+                        field=f"texts[{i}]",
                     )
                 # Keep the closing special token ([SEP] / </s>).
                 ids = np.concatenate([ids[: self.max_tokens - 1], ids[-1:]])
@@ -120,5 +126,6 @@ class TextEncoder:
         """texts[i] is over the character guard (refused before tokenizing)."""
         return InvalidInput(
             f"texts[{i}] has {len(text)} characters, over the limit of "
-            f"{self.max_chars} for model {self.model!r}; {advice}"
+            f"{self.max_chars} for model {self.model!r}; {advice}",
+            field=f"texts[{i}]",
         )

@@ -39,26 +39,41 @@ def details_of(exc: grpc.RpcError) -> dict[str, object]:
 
 
 @pytest.mark.parametrize(
-    ("request_", "code", "reason"),
+    ("request_", "code", "reason", "field"),
     [
         (
             berth_pb2.EmbedRequest(model="minilm", texts=["fine", ""]),
             grpc.StatusCode.INVALID_ARGUMENT,
             "INVALID_INPUT",
+            "texts[1]",
+        ),
+        (
+            berth_pb2.EmbedRequest(model="minilm", texts=["fine", "word " * 300]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "INVALID_INPUT",
+            "texts[1]",
+        ),
+        (
+            berth_pb2.EmbedRequest(model="minilm", texts=[]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "INVALID_INPUT",
+            "texts",
         ),
         (  # (berth.v1 answers an unknown model INVALID_ARGUMENT)
             berth_pb2.EmbedRequest(model="no-such-model", texts=["hi"]),
             grpc.StatusCode.INVALID_ARGUMENT,
             "UNKNOWN_MODEL",
+            "model",
         ),
     ],
-    ids=["invalid", "unknown-model"],
+    ids=["empty-text", "too-long", "no-texts", "unknown-model"],
 )
-def test_a_refused_call_carries_its_reason(
+def test_a_refused_call_carries_its_reason_and_field(
     client: berth_pb2_grpc.BerthStub,
     request_: berth_pb2.EmbedRequest,
     code: grpc.StatusCode,
     reason: str,
+    field: str,
 ) -> None:
     with pytest.raises(grpc.RpcError) as caught:
         client.Embed(request_, timeout=30)
@@ -67,10 +82,9 @@ def test_a_refused_call_carries_its_reason(
     info = details["ErrorInfo"]
     assert isinstance(info, error_details_pb2.ErrorInfo)
     assert (info.reason, info.domain) == (reason, "berth")
-    if reason == "UNKNOWN_MODEL":
-        bad = details["BadRequest"]
-        assert isinstance(bad, error_details_pb2.BadRequest)
-        assert [v.field for v in bad.field_violations] == ["model"]
+    bad = details["BadRequest"]
+    assert isinstance(bad, error_details_pb2.BadRequest)
+    assert [v.field for v in bad.field_violations] == [field]
 
 
 def test_the_field_at_fault_and_when_to_retry_are_told() -> None:
