@@ -51,10 +51,21 @@ $(REPO)/minilm/fallback.safetensors: $(VENV)/.installed services/cli/default_mod
 run: venv models
 	$(BERTH) serve --model-repository $(REPO)
 
-lint: venv
+# buf, pinned in tools/buf (npm): the public protos stay lint-clean and
+# compatible with the last release's (api/released/).
+BUF := tools/buf/node_modules/.bin/buf
+RELEASED_PROTOS := api/released/0.1.0
+
+$(BUF): tools/buf/package.json tools/buf/package-lock.json
+	npm ci --prefix tools/buf --silent --no-audit --no-fund
+	touch $@
+
+lint: venv $(BUF)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	$(BUF) lint
+	$(BUF) breaking protos --against $(RELEASED_PROTOS)
 
 test: venv models lint
 	HF_HUB_OFFLINE=1 BERTH_MODEL_REPOSITORY=$(abspath $(REPO)) $(PY) -m pytest -q
