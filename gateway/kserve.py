@@ -29,9 +29,11 @@ from gateway.calls import (
 from gateway.echo import quoted
 from gateway.intake import Intake, add_service
 from gateway.kserve_tensors import (
+    FINAL_RESPONSE,
     TEXT,
     VERSION,
     decode_texts,
+    final_response_wanted,
     outputs_of,
     parse_call,
     shape_outputs,
@@ -93,6 +95,8 @@ def _stream_error(
     """A ModelStreamInfer request's error, answered in the stream (which
     stays open); the request's id lets the caller match it."""
     failed = pb.ModelInferResponse(model_name=request.model_name, id=request.id)
+    if final_response_wanted(request):
+        failed.parameters[FINAL_RESPONSE].bool_param = True
     return pb.ModelStreamInferResponse(
         error_message=f"{error.code.name}: {error}", infer_response=failed
     )
@@ -325,6 +329,9 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
             response = await self.kserve.infer(
                 request, timeout_s, "kserve_stream", tenant
             )
+            # Every request has exactly one response, so it is the last one.
+            if final_response_wanted(request):
+                response.parameters[FINAL_RESPONSE].bool_param = True
             return pb.ModelStreamInferResponse(infer_response=response)
 
         responses = serve_requests(

@@ -15,7 +15,9 @@ tritonclient reads), or typed contents when the request sets the parameter
 false. Request parameters ``truncate``, ``normalize``, ``prompt_name``,
 ``prompt`` and ``dimensions`` map onto berth's options of the same names;
 with ``dimensions`` D, EMBEDDING is [N, D] (ModelMetadata gives the full
-width).
+width). Triton's reserved ``triton_enable_empty_final_response`` must be a
+bool_param; ModelStreamInfer answers it (gateway.kserve), ModelInfer
+ignores it.
 
 The classification extension works as in Triton: a requested FP32 output
 with the parameter ``classification`` = k (tritonclient's ``class_count``)
@@ -42,6 +44,12 @@ VERSION = "1"  # every berth model has exactly one version
 TEXT, EMBEDDING, PROBABILITIES, LABEL = "TEXT", "EMBEDDING", "PROBABILITIES", "LABEL"
 # Request parameters tritonclient may set that change nothing here.
 IGNORED_PARAMETERS = {"priority"}
+# Triton's reserved request parameter (bool_param) asking ModelStreamInfer to
+# mark each request's last response with the response parameter
+# FINAL_RESPONSE; tritonclient's C++ library (perf_analyzer) sets it on every
+# request, unary ones included, where Triton checks its type and ignores it.
+ENABLE_FINAL_RESPONSE = "triton_enable_empty_final_response"
+FINAL_RESPONSE = "triton_final_response"
 CONTRACT = "TEXT (BYTES, shape [N], one text per element)"
 # InferTensorContents.fp32_contents: its field number.
 FP32_CONTENTS = pb.InferTensorContents.DESCRIPTOR.fields_by_name["fp32_contents"].number
@@ -164,6 +172,16 @@ def top_classes(values: np.ndarray, k: int, labels: list[str]) -> list[bytes]:
     return items
 
 
+def final_response_wanted(request: pb.ModelInferRequest) -> bool:
+    """Whether a ModelStreamInfer request sets ENABLE_FINAL_RESPONSE true."""
+    value = request.parameters.get(ENABLE_FINAL_RESPONSE)
+    return (
+        value is not None
+        and value.WhichOneof("parameter_choice") == "bool_param"
+        and value.bool_param
+    )
+
+
 def flag(name: str, value: pb.InferParameter) -> bool:
     """A boolean parameter: bool_param, or the strings 'true'/'false'."""
     kind = value.WhichOneof("parameter_choice")
@@ -230,6 +248,11 @@ def parse_call(
             options.prompt = text(name, value)
         elif name == "binary_data_output":
             binary = flag(name, value)
+        elif name == ENABLE_FINAL_RESPONSE:
+            if value.WhichOneof("parameter_choice") != "bool_param":
+                raise InvalidInput(
+                    f"invalid value type for {name!r} parameter, expected bool_param"
+                )
         elif name == "timeout":  # tritonclient's, in microseconds
             if value.WhichOneof("parameter_choice") != "int64_param":
                 raise InvalidInput("parameter 'timeout' must be int64 microseconds")

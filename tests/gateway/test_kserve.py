@@ -358,6 +358,61 @@ def test_stream_answers_each_request(tc: triton.InferenceServerClient) -> None:
     assert len(errors) == 1 and "texts[0] is empty" in errors[0].message()
 
 
+@pytest.mark.parametrize("enabled", [True, False])
+def test_unary_takes_the_final_response_flag_perf_analyzer_sends(
+    stack: Stack, enabled: bool
+) -> None:
+    """perf_analyzer (tritonclient's C++ library) sets Triton's reserved
+    parameter triton_enable_empty_final_response on every ModelInfer request,
+    raw TEXT contents, shape [1]; Triton checks its type and ignores it."""
+    import grpc
+
+    request = service_pb2.ModelInferRequest(model_name="minilm", id="pa-1")
+    request.parameters["triton_enable_empty_final_response"].bool_param = enabled
+    request.inputs.add(name="TEXT", datatype="BYTES", shape=[1])
+    request.outputs.add(name="EMBEDDING")
+    text = b"hello world"
+    request.raw_input_contents.append(len(text).to_bytes(4, "little") + text)
+    with grpc.insecure_channel(stack.gateway) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        response = stub.ModelInfer(request, timeout=30)
+        request.parameters["triton_enable_empty_final_response"].string_param = "1"
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ModelInfer(request, timeout=30)
+    assert response.id == "pa-1" and list(response.outputs[0].shape) == [1, 384]
+    assert "triton_final_response" not in response.parameters
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "expected bool_param" in str(info.value.details())
+
+
+def test_stream_marks_final_responses_where_asked(
+    tc: triton.InferenceServerClient,
+) -> None:
+    """With triton_enable_empty_final_response (perf_analyzer --streaming
+    sets it), each request's one response carries triton_final_response
+    true, as Triton's do; without it, no such parameter."""
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    tc.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        for i, enabled in enumerate([True, False, True]):
+            text = "" if i == 2 else "a b c"  # the last one fails
+            tc.async_stream_infer(
+                "minilm",
+                [text_input([text])],
+                request_id=str(i),
+                enable_empty_final_response=enabled,
+            )
+        got = [answers.get(timeout=60) for _ in range(3)]
+    finally:
+        tc.stop_stream()
+    (first, e0), (second, e1), (_, e2) = got
+    assert e0 is None and e1 is None and e2 is not None
+    final = first.get_response().parameters["triton_final_response"]
+    assert final.bool_param is True
+    assert first.as_numpy("EMBEDDING").shape == (1, 384)
+    assert "triton_final_response" not in second.get_response().parameters
+
+
 def test_stream_with_a_malformed_message_ends_with_invalid_argument(
     stack: Stack,
 ) -> None:
