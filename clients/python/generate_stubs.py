@@ -2,10 +2,9 @@
 protos/: berth.proto and every .proto it imports (google/protobuf's come with
 the protobuf runtime), never internal.proto.
 
-The stubs are committed, so that the client builds from this folder alone
-with nothing but setuptools; tests/clients/test_python_client.py fails when
-they differ from what this script writes now. Run it with the grpcio-tools
-of berth's dev environment (constraints.txt pins it):
+setup.py runs it into every build; the stubs are never committed. Run by
+hand, it writes them into the source tree (ignored by git), to use the
+client from there:
 
     .venv/bin/python clients/python/generate_stubs.py
 """

@@ -2,8 +2,8 @@
 environment of its own, with grpcio and protobuf at its floors and nothing
 of berth's server, and used there (tests/clients/python_client_calls.py)
 against real `berth serve` stacks: API keys, two gateways round-robin,
-mutual TLS; and against fake gateways for its retry policy. Its committed
-stubs must be what clients/python/generate_stubs.py writes from protos/."""
+mutual TLS; and against fake gateways for its retry policy. Its stubs are
+generated from protos/ when it is built (clients/python/setup.py)."""
 
 from __future__ import annotations
 
@@ -50,31 +50,6 @@ def generator() -> ModuleType:
     return module
 
 
-def test_the_committed_stubs_are_what_protos_generate(tmp_path: Path) -> None:
-    committed = CLIENT / "berth_client" / "_proto"
-    fresh_root = tmp_path / "berth_client" / "_proto"
-    fresh = generator().generate(fresh_root)
-    names = {p.relative_to(fresh_root) for p in fresh}
-    kept = {
-        p.relative_to(committed)
-        for p in committed.rglob("*")
-        if p.is_file() and "__pycache__" not in p.parts
-    }
-    stale = sorted(
-        str(name)
-        for name in names | kept
-        if name not in names
-        or name not in kept
-        or (committed / name).read_bytes() != (fresh_root / name).read_bytes()
-    )
-    assert not stale, (
-        f"clients/python/berth_client/_proto is stale against protos/ ({stale}): "
-        "run .venv/bin/python clients/python/generate_stubs.py"
-    )
-    assert {str(n) for n in names} >= {"berth/v1/berth_pb2.py"}
-    assert not any("internal" in str(n) for n in names)
-
-
 def floors() -> dict[str, Version]:
     project = tomllib.loads((CLIENT / "pyproject.toml").read_text())
     out = {}
@@ -85,8 +60,16 @@ def floors() -> dict[str, Version]:
     return out
 
 
-def test_the_floors_are_what_the_stubs_need_and_past_advisories() -> None:
-    stubs = CLIENT / "berth_client" / "_proto" / "berth" / "v1"
+def test_the_floors_are_what_the_stubs_need_and_past_advisories(
+    tmp_path: Path,
+) -> None:
+    """The stubs a build writes (the public API alone, never internal.proto)
+    need no newer grpcio or protobuf than the client's floors."""
+    out = tmp_path / "berth_client" / "_proto"
+    names = {str(p.relative_to(out)) for p in generator().generate(out)}
+    assert "berth/v1/berth_pb2.py" in names
+    assert not any("internal" in name for name in names)
+    stubs = out / "berth" / "v1"
     grpc_file = (stubs / "berth_pb2_grpc.py").read_text()
     pb2 = (stubs / "berth_pb2.py").read_text()
     generated = re.search(r"^GRPC_GENERATED_VERSION = '([^']+)'$", grpc_file, re.M)
@@ -104,14 +87,18 @@ def test_the_floors_are_what_the_stubs_need_and_past_advisories() -> None:
 
 def install(folder: Path) -> tuple[Path, float]:
     """A venv without pip holding the client, built from a copy of its folder
-    (the build writes build/ and *.egg-info beside the sources), with
-    grpcio and protobuf at the client's floors and everything else as
-    constraints.txt pins it; the venv's python and the seconds it took."""
+    and of protos/, laid out as in a checkout (the build writes build/ and
+    *.egg-info beside the sources, and reads ../../protos), with grpcio and
+    protobuf at the client's floors and everything else as constraints.txt
+    pins it; the venv's python and the seconds it took."""
     started = time.monotonic()
     venv = folder / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True)
-    leftovers = shutil.ignore_patterns("build", "*.egg-info", "__pycache__")
-    source = shutil.copytree(CLIENT, folder / "source", ignore=leftovers)
+    leftovers = shutil.ignore_patterns("build", "*.egg-info", "__pycache__", "_proto")
+    source = shutil.copytree(
+        CLIENT, folder / "checkout" / "clients" / "python", ignore=leftovers
+    )
+    shutil.copytree(ROOT / "protos", folder / "checkout" / "protos")
     constraints = folder / "constraints.txt"
     low = floors()
     constraints.write_text(
