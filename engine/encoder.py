@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -171,10 +172,13 @@ def load_encoder(
     checkpoint_dir: Path | str,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    token_types: int = 1,
 ) -> Encoder:
-    """Build an :class:`Encoder` from a checkpoint directory, in eval mode."""
+    """Build an :class:`Encoder` from a checkpoint directory, in eval mode;
+    ``token_types`` > 1 folds that many segments into the word table
+    (EncoderConfig.token_types)."""
     checkpoint_dir = Path(checkpoint_dir)
-    config = read_config(checkpoint_dir)
+    config = replace(read_config(checkpoint_dir), token_types=token_types)
     tensors = read_safetensors(checkpoint_dir)
     try:
         weights = map_weights(config, tensors)

@@ -4,6 +4,7 @@ head, as a module."""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -33,8 +34,10 @@ class ServedModel(nn.Module):
     then normalize (if the entry says so) -> linear -> probabilities; width =
     number of labels (a checkpoint's own head: its hidden layers, then its
     classifier, with softmax, a sigmoid per label or the raw scores; no
-    normalization). Everything after pooling is ``post`` (Identity when
-    there is nothing), which the fused CUDA forward applies as well.
+    normalization). rerank: a cross-encoder's head on a pair, its raw score
+    (width 1; the gateway applies the model's activation). Everything after
+    pooling is ``post`` (Identity when there is nothing), which the fused
+    CUDA forward applies as well.
     """
 
     def __init__(
@@ -63,9 +66,11 @@ class ServedModel(nn.Module):
             self.width = layer.out_features
         self.post: nn.Module = nn.Sequential(*steps) if steps else nn.Identity()
         self.labels = labels or []
-        if entry.task == "classify":
+        if entry.task in ("classify", "rerank"):
             if head is None:
-                raise RepositoryError(f"{entry.name}: a classify model needs a head")
+                raise RepositoryError(
+                    f"{entry.name}: a {entry.task} model needs a head"
+                )
             num_labels = head.num_labels
             if len(self.labels) != num_labels:
                 raise RepositoryError(
@@ -97,11 +102,15 @@ def load_served_model(
     The encoder runs in ``dtype``; pooling, Dense layers and the head always
     in float32.
     """
-    encoder = load_encoder(entry.checkpoint_dir, device=device, dtype=dtype)
+    types = 2 if entry.token_type_offset() else 1
+    encoder = load_encoder(entry.checkpoint_dir, device, dtype, token_types=types)
     head = None
     labels: list[str] = []
     if entry.checkpoint_head:
-        head = load_checkpoint_head(entry.checkpoint_dir, entry.classifier())
+        classifier = entry.classifier()
+        if entry.task == "rerank":  # the raw score: the gateway activates it
+            classifier = replace(classifier, probability="none")
+        head = load_checkpoint_head(entry.checkpoint_dir, classifier)
         labels = entry.label_names()
     elif entry.task == "classify":
         if entry.head is None:

@@ -22,7 +22,7 @@ from engine.backend import BackendError, loaded, warm_up_eagerly
 from engine.build.onnx_export import OUTPUT_NAME, cache_dir, export_entry
 from engine.encoder import read_config
 from engine.torch_backend import check_batch, default_threads
-from engine.validate import BadBatch, check_ids
+from engine.validate import BadBatch, check_ids, model_limits
 from services.repository import ModelEntry
 
 log = logging.getLogger("berth.engine")
@@ -144,7 +144,11 @@ class OnnxRuntimeBackend:
         )[0]
         config = read_config(entry.checkpoint_dir)
         self._models[entry.name] = OnnxModel(
-            session, int(probe.shape[1]), path, config.vocab_size, config.max_length
+            session,
+            int(probe.shape[1]),
+            path,
+            model_limits(entry).vocab_size,
+            config.max_length,
         )
         log.info(
             "model %s loaded on onnxruntime from %s (width %d, providers %s)",

@@ -89,7 +89,7 @@ class TorchBackend:
     def run(self, model: str, token_ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         served = self.model(model)
         check_batch(token_ids, lengths)
-        check_ids(token_ids, served.encoder.config.vocab_size)
+        check_ids(token_ids, served.encoder.config.table_rows)
         if self.torch_device.type == "cpu" and lengths.size:
             # Eager CPU has no fixed shapes to keep: compute only up to the
             # longest row, not the bucket's padded length.

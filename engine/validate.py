@@ -38,7 +38,8 @@ def model_limits(entry: ModelEntry) -> ModelLimits:
     directory = entry.checkpoint_dir
     if not (directory / "config.json").is_file():
         return ModelLimits(0, entry.max_tokens)
-    vocab = checkpoint_shape(directory)[0]
+    # A rerank model's pairs: the second text's ids moved past the vocabulary.
+    vocab = checkpoint_shape(directory)[0] + entry.token_type_offset()
     return ModelLimits(vocab, min(entry.max_tokens, position_limit(directory)))
 
 

@@ -148,11 +148,20 @@ async def probe(gateway: Gateway) -> None:
     """
     berth = Berth(gateway)
     for name, model in gateway.models.items():
-        response: berth_pb2.EmbedResponse | berth_pb2.ClassifyResponse
+        response: (
+            berth_pb2.EmbedResponse
+            | berth_pb2.ClassifyResponse
+            | berth_pb2.RerankResponse
+        )
         if model.entry.task == "embed":
             response, _ = await berth.embed(
                 berth_pb2.EmbedRequest(model=name, texts=[PROBE_TEXT]), timeout_s=30
             )
+        elif model.entry.task == "rerank":
+            asked = berth_pb2.RerankRequest(
+                model=name, query=PROBE_TEXT, texts=[PROBE_TEXT]
+            )
+            response, _ = await berth.rerank(asked, timeout_s=30)
         else:
             response, _ = await berth.classify(
                 berth_pb2.ClassifyRequest(model=name, texts=[PROBE_TEXT]), timeout_s=30

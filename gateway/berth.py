@@ -13,7 +13,12 @@ from gateway.pipeline import INLINE_TOKENIZE_CHARS, Answer, Gateway, Model
 from services.errors import InvalidInput
 from services.proto.berth.v1 import berth_pb2
 
-Response = TypeVar("Response", berth_pb2.EmbedResponse, berth_pb2.ClassifyResponse)
+Response = TypeVar(
+    "Response",
+    berth_pb2.EmbedResponse,
+    berth_pb2.ClassifyResponse,
+    berth_pb2.RerankResponse,
+)
 # A call's response, and the timings it took itself (Answer.measured).
 Served = tuple[Response, berth_pb2.Timings]
 
@@ -61,6 +66,47 @@ def packed_floats(field: int, values: np.ndarray) -> bytes:
     loop; this and the merge 0.03.)"""
     data = np.ascontiguousarray(values, dtype="<f4").tobytes()
     return b"".join((_varint(field << 3 | 2), _varint(len(data)), data))
+
+
+def check_pair_options(model: str, options: berth_pb2.Options) -> None:
+    """A Rerank call takes truncate alone; raises InvalidInput naming the
+    option it does not take."""
+    for name in ("normalize", "prompt"):
+        if options.HasField(name):
+            raise _pair_option(model, name)
+    if options.prompt_name:
+        raise _pair_option(model, "prompt_name")
+    if options.dimensions:
+        raise _pair_option(model, "dimensions")
+
+
+def _pair_option(model: str, name: str) -> InvalidInput:
+    return InvalidInput(
+        f"options.{name} is not taken by rerank model {model!r}, which scores "
+        "pairs; of the options it takes truncate alone",
+        field=f"options.{name}",
+    )
+
+
+def activated(scores: np.ndarray, activation: str) -> np.ndarray:
+    """A cross-encoder's scores through its activation (Model.activation:
+    sigmoid, tanh or identity), as sentence-transformers' CrossEncoder
+    applies it in predict."""
+    if activation == "sigmoid":
+        return 1.0 / (1.0 + np.exp(-scores.astype(np.float64)))
+    if activation == "tanh":
+        return np.tanh(scores)
+    return scores
+
+
+def ranked(scores: np.ndarray, sort: bool, top_k: int) -> np.ndarray:
+    """The indices of the results to answer, in answer order: all in the
+    texts' order, or best first (sort), or the best ``top_k`` (0: all);
+    ties keep the texts' order."""
+    if not sort and not top_k:
+        return np.arange(len(scores))
+    order = np.argsort(-scores, kind="stable")
+    return order[:top_k] if top_k else order
 
 
 def tokenize_response(model: Model, texts: list[str]) -> berth_pb2.TokenizeResponse:
@@ -171,6 +217,43 @@ class Berth:
                 )
             return response, answer.measured
 
+    async def rerank(
+        self,
+        request: berth_pb2.RerankRequest,
+        timeout_s: float | None,
+        tenant: str = "",
+    ) -> Served[berth_pb2.RerankResponse]:
+        """The response, and the timings the call took (see Served)."""
+        with self.gateway.admission:
+            model = self.gateway.model(request.model, "rerank")
+            check_pair_options(model.entry.name, request.options)
+            response = berth_pb2.RerankResponse(
+                model=model.entry.name, request_id=request.request_id
+            )
+            answer = await self.gateway.run(
+                model,
+                list(request.texts),
+                request.options,
+                timeout_s,
+                response.timings,
+                tenant,
+                query=request.query,
+            )
+            response.degraded = answer.degraded
+            scores = answer.outputs[:, 0]
+            if not request.raw_scores:
+                scores = activated(scores, model.activation)
+            order = ranked(scores, request.sort, request.top_k)
+            texts = request.texts
+            for i in order.tolist():
+                response.results.add(
+                    index=i,
+                    score=float(scores[i]),
+                    tokens=answer.tokens[i],
+                    text=texts[i] if request.return_text else "",
+                )
+            return response, answer.measured
+
     async def stream(
         self, request: berth_pb2.StreamRequest, timeout_s: float | None, tenant: str
     ) -> berth_pb2.StreamResponse:
@@ -188,7 +271,14 @@ class Berth:
                 "stream", asked.model, len(asked.texts), job
             )
             return berth_pb2.StreamResponse(classify=classified)
-        raise InvalidInput("StreamRequest holds neither embed nor classify")
+        if kind == "rerank":
+            pairs = request.rerank
+            scoring = self.rerank(pairs, timeout_s, tenant)
+            scored = await self.counted(
+                "stream", pairs.model, len(pairs.texts), scoring
+            )
+            return berth_pb2.StreamResponse(rerank=scored)
+        raise InvalidInput("StreamRequest holds no request: embed, classify or rerank")
 
     async def tokenize(
         self, request: berth_pb2.TokenizeRequest

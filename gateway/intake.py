@@ -35,6 +35,7 @@ TEXT_FIELDS = frozenset(
     {
         "berth.v1.EmbedRequest.texts",
         "berth.v1.ClassifyRequest.texts",
+        "berth.v1.RerankRequest.texts",
         "berth.v1.TokenizeRequest.texts",
         "inference.InferTensorContents.bytes_contents",
     }

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import TypeVar
 
 import numpy as np
@@ -124,6 +125,10 @@ class Model:
         self.labels = entry.label_names()
         self.dimension = entry.output_width()
         self.prompts = Prompts(entry, self.encoder.tokenizer, self.encoder.max_chars)
+        # A rerank model's activation on its scores (gateway.berth.activated).
+        self.activation = (
+            entry.classifier().activation if entry.task == "rerank" else ""
+        )
         self.fallback: FallbackModel | None
         try:
             self.fallback = FallbackModel.load(entry)
@@ -198,7 +203,7 @@ class Gateway:
                 reason="UNKNOWN_MODEL",
             )
         if task is not None and model.entry.task != task:
-            verb = "Embed" if model.entry.task == "embed" else "Classify"
+            verb = model.entry.task.capitalize()
             raise InvalidInput(
                 f"model {name!r} is a {model.entry.task} model: call {verb}"
             )
@@ -212,8 +217,11 @@ class Gateway:
         timeout_s: float | None,
         timings: berth_pb2.Timings,
         tenant: str = "",
+        query: str | None = None,
     ) -> Answer:
         """Tokenize and run texts: outputs [N, width], token counts, degraded.
+        A rerank model's texts run each as a pair after ``query`` (its
+        place in the cache key is the prompt's).
 
         Texts found in the ``tenant``'s response cache (under the call's
         prompt) skip tokenization and the batcher; a call whose texts all
@@ -224,7 +232,7 @@ class Gateway:
         t0 = time.perf_counter()
         name, truncate = model.entry.name, options.truncate
         model.encoder.check_count(texts)
-        prompt = model.prompt(options)
+        prompt = model.prompt(options) if query is None else query
         with span_if_recording(TRACER, "gateway.cache"):
             found = self.cache.lookup(name, tenant, truncate, texts, prompt)
         if self.cache.enabled:
@@ -290,12 +298,19 @@ class Gateway:
     async def _tokenize(
         self, model: Model, texts: list[str], truncate: bool, prompt: str
     ) -> list[np.ndarray]:
-        """Token ids per text, after ``prompt``. A short call is tokenized
-        right here: the tokenizer takes microseconds for it, less than a hop
-        to a thread."""
-        if sum(map(len, texts)) <= INLINE_TOKENIZE_CHARS:
-            return model.encoder.encode(texts, truncate, prompt)
-        return await self.in_threads(model.encoder.encode, texts, truncate, prompt)
+        """Token ids per text, after ``prompt`` (a rerank model's: each text
+        paired with the query ``prompt``). A short call is tokenized right
+        here: the tokenizer takes microseconds for it, less than a hop to a
+        thread."""
+        encoder = model.encoder
+        if model.entry.task == "rerank":
+            encode = partial(encoder.encode_pairs, prompt, texts, truncate)
+        else:
+            encode = partial(encoder.encode, texts, truncate, prompt)
+        # (The prompt, or query, is tokenized with every text.)
+        if len(prompt) * len(texts) + sum(map(len, texts)) <= INLINE_TOKENIZE_CHARS:
+            return encode()
+        return await self.in_threads(encode)
 
     async def _infer(
         self,

@@ -29,16 +29,22 @@ STREAM_CAPTURES = frozenset(
         "classify",
         "classify.model",
         "classify.request_id",
+        "rerank",
+        "rerank.model",
+        "rerank.request_id",
     }
 )
 
 
 def _inner(
     request: berth_pb2.StreamRequest,
-) -> berth_pb2.EmbedRequest | berth_pb2.ClassifyRequest:
+) -> berth_pb2.EmbedRequest | berth_pb2.ClassifyRequest | berth_pb2.RerankRequest:
     """The call a Stream request carries."""
-    if request.WhichOneof("request") == "embed":
+    kind = request.WhichOneof("request")
+    if kind == "embed":
         return request.embed
+    if kind == "rerank":
+        return request.rerank
     return request.classify
 
 
@@ -77,6 +83,16 @@ class BerthService(berth_pb2_grpc.BerthServicer):
         texts = len(request.texts)
         return await self._unary(
             "Classify", "classify", request.model, texts, work, context
+        )
+
+    async def Rerank(
+        self, request: berth_pb2.RerankRequest, context: grpc.aio.ServicerContext
+    ) -> berth_pb2.RerankResponse:
+        tenant = tenant_of(context)
+        work = self.berth.rerank(request, context.time_remaining(), tenant)
+        texts = len(request.texts)
+        return await self._unary(
+            "Rerank", "rerank", request.model, texts, work, context
         )
 
     async def _unary(

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from tokenizers import Tokenizer
 
 from services.errors import InvalidInput
 from services.repository import ModelEntry
@@ -43,6 +44,17 @@ class TextEncoder:
         # as sentence-transformers' encode prepends the default prompt; a
         # prompt's tokens count towards the limit.
         self.prompt = entry.prompt
+        # A rerank model's pairs: how far the second text's ids move
+        # (ModelEntry.token_type_offset), and a copy of the tokenizer that
+        # cuts a pair over the limit as transformers does (longest_first:
+        # a token at a time off the longer text), for calls that truncate.
+        self.type_offset = entry.token_type_offset()
+        self._pair_cutter: Tokenizer | None = None
+        if entry.task == "rerank":
+            self._pair_cutter = Tokenizer.from_str(self.tokenizer.to_str())
+            self._pair_cutter.enable_truncation(
+                self.max_tokens, strategy="longest_first"
+            )
 
     def check_count(self, texts: list[str]) -> None:
         if not texts:
@@ -104,6 +116,64 @@ class TextEncoder:
                     )
                 # Keep the closing special token ([SEP] / </s>).
                 ids = np.concatenate([ids[: self.max_tokens - 1], ids[-1:]])
+            out.append(ids)
+        return out
+
+    def encode_pairs(
+        self, query: str, texts: list[str], truncate: bool
+    ) -> list[np.ndarray]:
+        """int32 token ids of (query, text) per text, joined as the model's
+        tokenizer joins a pair ([CLS] query [SEP] text [SEP]), the text's
+        ids moved by ``type_offset`` where the model embeds token types;
+        raises InvalidInput. The query's tokens count toward each pair's
+        limit; over it a pair is refused, or with ``truncate`` cut as
+        transformers' tokenizer cuts it (longest_first)."""
+        self.check_count(texts)
+        if not query:
+            raise InvalidInput(
+                "query is empty: a rerank call needs a query", field="query"
+            )
+        if len(query) > self.max_chars:
+            if not truncate:
+                raise InvalidInput(
+                    f"query has {len(query)} characters, over the limit of "
+                    f"{self.max_chars} for model {self.model!r}; shorten it or "
+                    "set options.truncate",
+                    field="query",
+                )
+            query = query[: self.max_chars]
+        pairs = []
+        for i, text in enumerate(texts):
+            if not text:
+                raise InvalidInput(
+                    f"texts[{i}] is empty: every text needs characters",
+                    field=f"texts[{i}]",
+                )
+            if len(text) > self.max_chars:
+                if not truncate:
+                    raise self._too_long(i, text, "shorten it or set options.truncate")
+                text = text[: self.max_chars]
+            pairs.append((query, text))
+        encodings = self.tokenizer.encode_batch_fast(pairs, add_special_tokens=True)
+        over = [i for i, e in enumerate(encodings) if len(e.ids) > self.max_tokens]
+        if over and not truncate:
+            i = over[0]
+            raise InvalidInput(
+                f"query and texts[{i}] have {len(encodings[i].ids)} tokens together, "
+                f"over the limit of {self.max_tokens} for model {self.model!r}; "
+                "shorten them or set options.truncate",
+                field=f"texts[{i}]",
+            )
+        if over:
+            assert self._pair_cutter is not None
+            cut = self._pair_cutter.encode_batch_fast([pairs[i] for i in over])
+            for i, encoding in zip(over, cut, strict=True):
+                encodings[i] = encoding
+        out = []
+        for encoding in encodings:
+            ids = np.asarray(encoding.ids, dtype=np.int32)
+            if self.type_offset:
+                ids += np.asarray(encoding.type_ids, dtype=np.int32) * self.type_offset
             out.append(ids)
         return out
 

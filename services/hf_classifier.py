@@ -24,6 +24,18 @@ SEQUENCE_CLASSIFIERS = {
     "ModernBertForSequenceClassification": "modernbert",
 }
 SUFFIX = "ForSequenceClassification"
+# sentence-transformers' CrossEncoder activation_fn (config.json's
+# sentence_transformers.activation_fn, or sbert_ce_default_activation_function
+# of older saves) -> berth's name for it. Without one, CrossEncoder applies a
+# sigmoid to a one-label model's score.
+CROSS_ENCODER_ACTIVATIONS = {
+    "torch.nn.modules.activation.Sigmoid": "sigmoid",
+    "torch.nn.Sigmoid": "sigmoid",
+    "torch.nn.modules.linear.Identity": "identity",
+    "torch.nn.Identity": "identity",
+    "torch.nn.modules.activation.Tanh": "tanh",
+    "torch.nn.Tanh": "tanh",
+}
 # How the head's scores become a classify response's outputs: softmax over
 # the labels (single-label), a sigmoid per label (multi-label), or the raw
 # score (regression).
@@ -43,6 +55,12 @@ class CheckpointClassifier:
     labels: list[str]  # id2label, in id order
     probability: str  # one of OUTPUTS
     pooling: str  # "cls" or (ModernBERT's classifier_pooling) "mean"
+    # A cross-encoder's activation on its score (CROSS_ENCODER_ACTIVATIONS'
+    # values): what sentence-transformers' CrossEncoder applies in predict.
+    activation: str = "sigmoid"
+    # Whether the checkpoint names itself a sentence-transformers
+    # CrossEncoder (config.json's "sentence_transformers" section).
+    cross_encoder: bool = False
 
 
 def read_config(checkpoint_dir: Path) -> dict[str, Any]:
@@ -91,7 +109,27 @@ def read_classifier(checkpoint_dir: Path) -> CheckpointClassifier | None:
             f"{checkpoint_dir}: problem_type {problem!r} is not one of "
             "single_label_classification, multi_label_classification, regression"
         )
-    return CheckpointClassifier(architecture, kind, labels, probability, pooling)
+    activation, cross_encoder = _cross_encoder(checkpoint_dir, config)
+    return CheckpointClassifier(
+        architecture, kind, labels, probability, pooling, activation, cross_encoder
+    )
+
+
+def _cross_encoder(checkpoint_dir: Path, config: dict[str, Any]) -> tuple[str, bool]:
+    """The activation sentence-transformers' CrossEncoder applies to the
+    scores, and whether config.json names the checkpoint a CrossEncoder."""
+    section = config.get("sentence_transformers")
+    named = isinstance(section, dict)
+    path = section.get("activation_fn") if isinstance(section, dict) else None
+    path = path or config.get("sbert_ce_default_activation_function")
+    if path is None:
+        return "sigmoid", named
+    if path not in CROSS_ENCODER_ACTIVATIONS:
+        raise ClassifierConfigError(
+            f"{checkpoint_dir}: the cross-encoder activation {path!r} is not "
+            f"supported; berth applies {', '.join(CROSS_ENCODER_ACTIVATIONS)}"
+        )
+    return CROSS_ENCODER_ACTIVATIONS[path], True
 
 
 def _labels(checkpoint_dir: Path, config: dict[str, Any]) -> list[str]:
@@ -116,5 +154,17 @@ def _labels(checkpoint_dir: Path, config: dict[str, Any]) -> list[str]:
 
 
 def checkpoint_task(checkpoint_dir: Path) -> str:
-    """classify for a sequence classifier, embed for anything else."""
-    return "classify" if read_classifier(checkpoint_dir) is not None else "embed"
+    """rerank for a cross-encoder, classify for another sequence classifier,
+    embed for anything else. A cross-encoder is a classifier of one label
+    that config.json names a sentence-transformers CrossEncoder, or whose
+    problem_type is unset (ms-marco's rerankers); a one-label classifier
+    with problem_type regression is served by Classify."""
+    classifier = read_classifier(checkpoint_dir)
+    if classifier is None:
+        return "embed"
+    if len(classifier.labels) == 1 and (
+        classifier.cross_encoder
+        or read_config(checkpoint_dir).get("problem_type") is None
+    ):
+        return "rerank"
+    return "classify"

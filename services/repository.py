@@ -35,7 +35,9 @@ if TYPE_CHECKING:
 # The hard cap on tokens per text, whatever the model allows.
 MAX_TOKENS_CAP = 1024
 DEFAULT_BUCKETS = (32, 64, 128, 256, 512, 1024)
-TASKS = ("embed", "classify")
+# rerank: a cross-encoder (a one-label *ForSequenceClassification
+# checkpoint) scoring (query, text) pairs.
+TASKS = ("embed", "classify", "rerank")
 # Several at once are written joined by "+" ("cls+mean"), and concatenated
 # in that order, as sentence-transformers' Pooling does.
 POOLINGS = ("mean", "cls", "max", "mean_sqrt_len", "weightedmean", "lasttoken")
@@ -53,7 +55,7 @@ class ModelEntry:
     """One servable model, as written in ``<repo>/<name>/berth.json``."""
 
     name: str  # the entry's directory's name
-    task: str  # "embed" or "classify"
+    task: str  # one of TASKS
     checkpoint: str
     pooling: str = "mean"  # one of POOLINGS, or several joined by "+"
     # embed: default for the request's normalize option.
@@ -145,9 +147,28 @@ class ModelEntry:
 
     @property
     def checkpoint_head(self) -> bool:
-        """A classify entry without head and labels: the checkpoint's own
-        ``*ForSequenceClassification`` head (services/hf_classifier.py)."""
+        """A classify entry without head and labels, or a rerank entry: the
+        checkpoint's own ``*ForSequenceClassification`` head
+        (services/hf_classifier.py)."""
+        if self.task == "rerank":
+            return True
         return self.task == "classify" and self.head is None and self.labels is None
+
+    def token_type_offset(self) -> int:
+        """How far the token ids of a pair's second text are moved (0: not
+        at all). A rerank entry whose checkpoint embeds token types (BERT's
+        type_vocab_size 2) sends token t of segment s as ``t + s * vocab``:
+        its engines look both up in one table of ``types * vocab`` rows,
+        each row the word's embedding plus its segment's
+        (engine/architectures/bert.py), so no token type travels beside the
+        ids. Checkpoints without token types (RoBERTa's single type, MPNet,
+        ModernBERT, DistilBERT) get 0."""
+        if self.task != "rerank":
+            return 0
+        config = json.loads((self.checkpoint_dir / "config.json").read_text())
+        if int(config.get("type_vocab_size", 0) or 0) < 2:
+            return 0
+        return int(config["vocab_size"])
 
     def classifier(self) -> hf_classifier.CheckpointClassifier:
         """The checkpoint's own classifier (for a ``checkpoint_head`` entry)."""
@@ -308,6 +329,11 @@ def load_entry(entry_dir: Path) -> ModelEntry:
                 f"{config_file}: {key} must be one of {', '.join(allowed)}, "
                 f"not {value!r}"
             )
+    if entry.task == "rerank" and (entry.head is not None or entry.labels is not None):
+        raise RepositoryError(
+            f"{config_file}: a rerank model scores with its checkpoint's own "
+            "*ForSequenceClassification head: leave head and labels out"
+        )
     if entry.task == "classify" and (entry.head is None) != (entry.labels is None):
         raise RepositoryError(
             f"{config_file}: a classify model needs both head and labels, or "
@@ -381,6 +407,13 @@ def _apply_checkpoint_head(
                 f"{classifier.architecture} head; leave it out of berth.json "
                 "(or give head and labels to serve a head of your own)"
             )
+    if entry.task == "rerank" and len(classifier.labels) != 1:
+        raise RepositoryError(
+            f"{config_file}: a rerank model gives one score per pair, and "
+            f"{classifier.architecture} {entry.checkpoint_dir} has "
+            f"{len(classifier.labels)} labels ({', '.join(classifier.labels)}); "
+            'serve it with "task": "classify"'
+        )
     entry.pooling = classifier.pooling
     entry.normalize = False
 

@@ -65,6 +65,15 @@ class EncoderConfig:
     attention_bias: bool = True
     mlp_bias: bool = True
     norm_bias: bool = True
+    # Segments folded into the word table (BERT family; a rerank model's
+    # pairs: 2): token t of segment s is row t + s * vocab_size, that row the
+    # word's embedding plus the segment's (ModelEntry.token_type_offset).
+    token_types: int = 1
+
+    @property
+    def table_rows(self) -> int:
+        """Rows of the word table: the token ids the encoder takes."""
+        return self.vocab_size * self.token_types
 
     @property
     def family(self) -> str:

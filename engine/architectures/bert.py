@@ -1,7 +1,10 @@
 """BERT, DistilBERT and RoBERTa (XLM-R, CamemBERT): post-LayerNorm encoders
 with absolute, learned positions.
 
-Token type ids are always 0, so row 0 of the token-type table is a constant.
+A single text's token types are all 0, so row 0 of the token-type table is
+a constant. A pair's (a rerank model's query and text) are 0 and 1: they are
+folded into the word table (EncoderConfig.token_types), so that the ids alone
+carry them, through the batcher and into every backend unchanged.
 MPNet (engine/architectures/mpnet.py) reuses these embeddings and layers.
 """
 
@@ -100,9 +103,12 @@ class Embeddings(EncoderEmbeddings):
     def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.word = nn.Embedding(config.vocab_size, hidden)
+        self.word = nn.Embedding(config.table_rows, hidden)
         self.position = nn.Embedding(config.max_positions, hidden)
-        self.token_type = nn.Parameter(torch.zeros(hidden))  # zeros: no types
+        # Token type 0's embedding, added to every token; zeros where the
+        # types are folded into the word table (config.token_types) or the
+        # checkpoint has none.
+        self.token_type = nn.Parameter(torch.zeros(hidden))
         self.norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
         self.offset = config.position_offset
         self.max_length = config.max_length
@@ -169,14 +175,25 @@ def post_norm_weights(
 ) -> dict[str, torch.Tensor]:
     """Embeddings and layers of a BERT-shaped checkpoint under our names;
     ``table`` names each layer's sub-modules under ``layer_prefix.N.``."""
+    word = src["embeddings.word_embeddings.weight"]
+    types = src.get("embeddings.token_type_embeddings.weight")
+    no_types = torch.zeros(config.hidden_size)
+    if config.token_types > 1:
+        if types is None or types.shape[0] < config.token_types:
+            raise EncoderLoadError(
+                f"the checkpoint has {0 if types is None else types.shape[0]} "
+                f"token types, {config.token_types} are needed for pairs"
+            )
+        # Word plus segment, summed as transformers sums them (word + type,
+        # then + position), so the folded rows give the same float32 sums.
+        word = torch.cat([word + types[s] for s in range(config.token_types)])
+        types = None
     out = {
-        "embeddings.word.weight": src["embeddings.word_embeddings.weight"],
+        "embeddings.word.weight": word,
         "embeddings.position.weight": src["embeddings.position_embeddings.weight"],
         "embeddings.norm.weight": src["embeddings.LayerNorm.weight"],
         "embeddings.norm.bias": src["embeddings.LayerNorm.bias"],
     }
-    types = src.get("embeddings.token_type_embeddings.weight")
-    no_types = torch.zeros(config.hidden_size)
     out["embeddings.token_type"] = no_types if types is None else types[0]
     for i in range(config.num_layers):
         for ours, theirs in table.items():

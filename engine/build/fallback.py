@@ -418,6 +418,14 @@ def build_fallbacks(
     for entry in load_repository(root).values():
         if names is not None and entry.name not in names:
             continue
+        if entry.task == "rerank":
+            log.info(
+                "%s is a rerank model: it has no CPU fallback (a fastText-class "
+                "model scores no pairs); while its circuit is open its calls "
+                "fail UNAVAILABLE",
+                entry.name,
+            )
+            continue
         path = fallback_path(entry)
         digest = fingerprint(entry)
         if not force and built_fingerprint(path) == digest:

@@ -135,7 +135,7 @@ class ModelRunner:
             )
             self.forward = PlainForward(served)
         self.width = served.width
-        self.vocab = served.encoder.config.vocab_size
+        self.vocab = served.encoder.config.table_rows
         self.max_length = served.encoder.embeddings.max_length
         self.zero_copy = backend.input_mode == "zero-copy"
         self.pack = backend.pack

@@ -1,4 +1,4 @@
-"""The client commands of `berth`: embed, classify, models and health, each
+"""The client commands of `berth`: embed, classify, rerank, models and health, each
 one or more calls to a running gateway (or any service, for health)."""
 
 from __future__ import annotations
@@ -153,6 +153,35 @@ def cmd_classify(args: argparse.Namespace) -> int:
                 ]
             out.append(item)
     _print(out, degraded=degraded)
+    return 0
+
+
+def cmd_rerank(args: argparse.Namespace) -> int:
+    """The texts scored against --query, best first (--top-k: the best k);
+    several calls (texts from stdin) are ranked together."""
+    from services.proto.berth.v1 import berth_pb2
+
+    stub = _stub(args)
+    out: list[dict[str, Any]] = []
+    degraded = False
+    first = 0
+    for texts, lines in _texts(args):
+        request = berth_pb2.RerankRequest(
+            model=args.model,
+            query=args.query,
+            texts=texts,
+            options=berth_pb2.Options(truncate=args.truncate),
+            raw_scores=args.raw_scores,
+        )
+        response = _call(stub.Rerank, request, lines, args.timeout)
+        degraded |= response.degraded
+        out += [
+            {"index": first + r.index, "score": r.score, "text": texts[r.index]}
+            for r in response.results
+        ]
+        first += len(texts)
+    out.sort(key=lambda item: -item["score"])
+    _print(out[: args.top_k] if args.top_k else out, degraded=degraded)
     return 0
 
 

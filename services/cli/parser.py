@@ -14,6 +14,7 @@ from services.cli.client import (
     cmd_embed,
     cmd_health,
     cmd_models,
+    cmd_rerank,
 )
 from services.cli.default_models import cmd_build_models
 from services.cli.serve import cmd_serve
@@ -188,10 +189,11 @@ def _serve_runtime_flags(serve: argparse.ArgumentParser) -> None:
 
 
 def _client_parsers(sub: Subcommands) -> None:
-    """embed, classify, models and health: calls to a running gateway."""
+    """embed, classify, rerank, models and health: calls to a running gateway."""
     for name, func, default_model in (
         ("embed", cmd_embed, "minilm"),
         ("classify", cmd_classify, "intent"),
+        ("rerank", cmd_rerank, None),
     ):
         p = sub.add_parser(name, help=f"{name} texts through a running gateway")
         p.add_argument(
@@ -201,7 +203,10 @@ def _client_parsers(sub: Subcommands) -> None:
             help="texts; a lone - reads one text per line from stdin (UTF-8, "
             "blank lines skipped)",
         )
-        p.add_argument("--model", default=default_model)
+        if default_model is None:
+            p.add_argument("--model", required=True)
+        else:
+            p.add_argument("--model", default=default_model)
         p.add_argument(
             "--per-call",
             type=_positive,
@@ -220,6 +225,19 @@ def _client_parsers(sub: Subcommands) -> None:
             default="",
             help="prepend the model's prompt of this name to every text",
         )
+        if name == "rerank":
+            p.add_argument("--query", required=True, help="what the texts answer")
+            p.add_argument(
+                "--top-k", type=_whole, default=0, help="the best k only (0: all)"
+            )
+            p.add_argument(
+                "--raw-scores",
+                action="store_true",
+                help="the model's raw scores, without its activation",
+            )
+            _client_flags(p)
+            p.set_defaults(func=func)
+            continue
         p.add_argument(
             "--prompt",
             default=None,
