@@ -33,6 +33,7 @@ from services.errors import (
     Unavailable,
 )
 from services.fallback_model import FallbackError, FallbackModel
+from services.pair_fallback import PairFallback
 from services.proto.berth.v1 import berth_pb2
 from services.repository import ModelEntry
 from services.telemetry import inject, span_if_recording, tracer
@@ -129,7 +130,11 @@ class Model:
         self.activation = (
             entry.classifier().activation if entry.task == "rerank" else ""
         )
-        self.fallback: FallbackModel | None
+        self.fallback: FallbackModel | PairFallback | None
+        if entry.task == "rerank":  # nothing built: lexical overlap
+            tokenizer, offset = self.encoder.tokenizer, self.encoder.type_offset
+            self.fallback = PairFallback(entry.name, tokenizer, offset)
+            return
         try:
             self.fallback = FallbackModel.load(entry)
         except FallbackError as exc:

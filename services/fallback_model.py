@@ -19,9 +19,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from safetensors import safe_open
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 from services.repository import ModelEntry, checkpoint_shape
 
@@ -44,6 +48,32 @@ def fallback_path(entry: ModelEntry) -> Path:
 def _unit(rows: np.ndarray) -> np.ndarray:
     norms = np.linalg.norm(rows, axis=1, keepdims=True)
     return rows / np.maximum(norms, _TINY)
+
+
+def zipf_weights(
+    tokenizer: Tokenizer, vocab: int, specials: list[int], a: float
+) -> np.ndarray:
+    """SIF weight per id, with token frequencies guessed from vocabulary order.
+
+    Ranks count from the first word of two or more letters (BERT's "the" at
+    1996); reserved and single-character ids before it take rank 1.
+    """
+    first = next(
+        (
+            i
+            for i in range(vocab)
+            if (token := (tokenizer.id_to_token(i) or "").lstrip("#Ġ▁"))[:1]
+            not in ("[", "<")
+            and len(token) > 1
+            and token.isalpha()
+        ),
+        0,
+    )
+    rank = np.maximum(np.arange(vocab) - first + 1, 1).astype(np.float64)
+    probability = 1.0 / (rank * np.log(vocab))
+    weights = (a / (a + probability)).astype(np.float32)
+    weights[specials] = 0.0
+    return weights
 
 
 class FallbackModel:

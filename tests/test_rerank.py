@@ -12,6 +12,7 @@ unary and streamed.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -24,14 +25,17 @@ import torch
 
 from engine.model import load_served_model
 from engine.onnx_backend import OnnxRuntimeBackend
-from gateway.berth import activated
+from gateway.batcher_client import BatcherClient
+from gateway.berth import Berth, activated
+from gateway.pipeline import Gateway
 from gateway.tokenize import Limits, TextEncoder
 from services import hf_classifier
 from services.errors import InvalidInput
+from services.pair_fallback import PairFallback
 from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
 from services.repository import RepositoryError, load_entry
 from tests.engine.test_checkpoint_classifiers import add_entry, write_classifier
-from tests.stack import ROOT, Stack, serving
+from tests.stack import ROOT, Stack, free_ports, serving
 
 ARCHITECTURES = ["bert", "distilbert", "roberta", "xlm-roberta", "mpnet", "modernbert"]
 QUERY = "How do transformer encoders rank passages?"
@@ -314,3 +318,55 @@ def test_the_stack_reranks(tmp_path: Path) -> None:
             timeout=60,
         )
         assert [r.score for r in again.results] == [r.score for r in plain.results]
+
+
+@pytest.mark.parametrize("arch", ["bert", "roberta", "mpnet"])
+def test_the_fallback_ranks_by_the_words_the_query_holds(
+    built: Path, arch: str
+) -> None:
+    """With no batcher to reach, Rerank is answered degraded by the lexical
+    fallback: the text holding the query's words ranks first, one holding
+    none last; ids with and without a token-type offset split alike."""
+    entry = load_entry(built / arch)
+    query = "what is the capital of France"
+    texts = [
+        "Bananas are yellow and sweet.",
+        "Paris is the capital of France.",
+        "France is a country in Europe.",
+    ]
+
+    async def rerank() -> berth_pb2.RerankResponse:
+        (nowhere,) = free_ports(1)
+        batcher = BatcherClient(f"127.0.0.1:{nowhere}")
+        try:
+            gateway = Gateway({arch: entry}, batcher, Limits(), max_in_flight=4)
+            gateway.started = True
+            request = berth_pb2.RerankRequest(
+                model=arch, query=query, texts=texts, sort=True
+            )
+            response, _ = await Berth(gateway).rerank(request, timeout_s=10)
+            return response
+        finally:
+            await batcher.close()
+
+    response = asyncio.run(rerank())
+    assert response.degraded
+    assert [r.index for r in response.results] == [1, 2, 0]
+    scores = [r.score for r in response.results]
+    assert 0.0099 < scores[-1] < scores[1] < scores[0] < 0.9901
+
+
+def test_the_fallback_splits_a_pair_at_its_first_separator(built: Path) -> None:
+    """<s> query </s></s> text </s> (RoBERTa's pair) splits as [CLS] query
+    [SEP] text [SEP] does: special tokens are never words."""
+    entry = load_entry(built / "mpnet")
+    fallback = PairFallback("mpnet", entry.tokenizer(), 0)
+    cls, sep = 101, 102
+    query, text = [2054, 2003], [3000, 2003, 1996]
+    for ids in ([cls, *query, sep, *text, sep], [cls, *query, sep, sep, *text, sep]):
+        got_query, got_text = fallback.split(np.array(ids, np.int32))
+        assert list(got_query) == query and list(got_text) == text
+    offset = PairFallback("bert", entry.tokenizer(), 30522)
+    moved = [cls, *query, sep, *(t + 30522 for t in text), sep + 30522]
+    got_query, got_text = offset.split(np.array(moved, np.int32))
+    assert list(got_query) == query and list(got_text) == text

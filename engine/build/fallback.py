@@ -49,7 +49,7 @@ from engine.checkpoint_heads import load_checkpoint_head
 from engine.encoder import load_encoder
 from engine.heads import load_classifier_head, load_dense, make_pooling, pooled_width
 from services import files
-from services.fallback_model import FORMAT, FallbackModel, fallback_path
+from services.fallback_model import FORMAT, FallbackModel, fallback_path, zipf_weights
 from services.repository import ModelEntry, load_repository
 
 log = logging.getLogger("berth.models")
@@ -95,32 +95,6 @@ def tokenize(
     prompted = [prompt + text for text in texts]
     encodings = tokenizer.encode_batch(prompted, add_special_tokens=True)
     return [np.asarray(e.ids[:limit], dtype=np.int32) for e in encodings]
-
-
-def zipf_weights(
-    tokenizer: Tokenizer, vocab: int, specials: list[int], a: float
-) -> np.ndarray:
-    """SIF weight per id, with token frequencies guessed from vocabulary order.
-
-    Ranks count from the first word of two or more letters (BERT's "the" at
-    1996); reserved and single-character ids before it take rank 1.
-    """
-    first = next(
-        (
-            i
-            for i in range(vocab)
-            if (token := (tokenizer.id_to_token(i) or "").lstrip("#Ġ▁"))[:1]
-            not in ("[", "<")
-            and len(token) > 1
-            and token.isalpha()
-        ),
-        0,
-    )
-    rank = np.maximum(np.arange(vocab) - first + 1, 1).astype(np.float64)
-    probability = 1.0 / (rank * np.log(vocab))
-    weights = (a / (a + probability)).astype(np.float32)
-    weights[specials] = 0.0
-    return weights
 
 
 class Primary:
@@ -420,9 +394,8 @@ def build_fallbacks(
             continue
         if entry.task == "rerank":
             log.info(
-                "%s is a rerank model: it has no CPU fallback (a fastText-class "
-                "model scores no pairs); while its circuit is open its calls "
-                "fail UNAVAILABLE",
+                "%s is a rerank model: nothing to build, its CPU fallback "
+                "scores pairs by lexical overlap (services/pair_fallback.py)",
                 entry.name,
             )
             continue
