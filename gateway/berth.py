@@ -109,14 +109,19 @@ def ranked(scores: np.ndarray, sort: bool, top_k: int) -> np.ndarray:
     return order[:top_k] if top_k else order
 
 
-def tokenize_response(model: Model, texts: list[str]) -> berth_pb2.TokenizeResponse:
+def tokenize_response(
+    model: Model, request: berth_pb2.TokenizeRequest
+) -> berth_pb2.TokenizeResponse:
     """The answer to a Tokenize call; raises InvalidInput."""
+    texts = list(request.texts)
+    if request.query:
+        tokenized = model.encoder.tokens(texts, query=request.query)
+    else:
+        prompt = model.prompts.of(request.options)
+        tokenized = model.encoder.tokens(texts, prompt=prompt)
     return berth_pb2.TokenizeResponse(
         model=model.entry.name,
-        results=[
-            berth_pb2.TokenizedText(ids=i, tokens=t)
-            for i, t in model.encoder.tokens(texts)
-        ],
+        results=[berth_pb2.TokenizedText(ids=i, tokens=t) for i, t in tokenized],
     )
 
 
@@ -287,11 +292,17 @@ class Berth:
         threads, as for Embed: ~4 M characters take seconds, and on the event
         loop they would stall every other request of this gateway."""
         model = self.gateway.model(request.model)
-        texts = list(request.texts)
-        if sum(map(len, texts)) <= INLINE_TOKENIZE_CHARS:
-            return tokenize_response(model, texts)
+        if request.query and model.entry.task != "rerank":
+            raise InvalidInput(
+                f"query is for rerank models, and {model.entry.name!r} is a "
+                f"{model.entry.task} model: leave it empty",
+                field="query",
+            )
+        chars = sum(map(len, request.texts)) + len(request.query) * len(request.texts)
+        if chars <= INLINE_TOKENIZE_CHARS:
+            return tokenize_response(model, request)
         with self.gateway.admission:  # bounds the calls queued for the threads
-            return await self.gateway.in_threads(tokenize_response, model, texts)
+            return await self.gateway.in_threads(tokenize_response, model, request)
 
     def describe(self, name: str) -> berth_pb2.ModelInfoResponse:
         if name:

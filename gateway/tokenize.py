@@ -7,6 +7,7 @@ value, so a caller can fix the request without reading our code.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -177,19 +178,34 @@ class TextEncoder:
             out.append(ids)
         return out
 
-    def tokens(self, texts: list[str]) -> list[tuple[list[int], list[str]]]:
+    def tokens(
+        self, texts: list[str], prompt: str | None = None, query: str = ""
+    ) -> list[tuple[list[int], list[str]]]:
         """Ids and token strings per text as the model sees it, [CLS] ...
-        [SEP], the prompt included. A text over the token limit is tokenized
-        whole (that is how a caller learns how far over it is); one over the
-        character guard is refused untokenized."""
+        [SEP], after ``prompt`` (None: the default prompt), or as the pair
+        (``query``, text) where a query is given (the ids the tokenizer
+        gives, before any token-type offset). A text over the token limit is
+        tokenized whole (that is how a caller learns how far over it is);
+        one over the character guard is refused untokenized."""
         self.check_count(texts)
         for i, text in enumerate(texts):
             if len(text) > self.max_chars:
                 raise self._too_long(i, text, "shorten it")
-        prompted = [self.prompt + text for text in texts]
+        inputs: list[Any]
+        if query:
+            if len(query) > self.max_chars:
+                raise InvalidInput(
+                    f"query has {len(query)} characters, over the limit of "
+                    f"{self.max_chars} for model {self.model!r}; shorten it",
+                    field="query",
+                )
+            inputs = [(query, text) for text in texts]
+        else:
+            prompt = self.prompt if prompt is None else prompt
+            inputs = [prompt + text for text in texts]
         return [
             (e.ids, e.tokens)
-            for e in self.tokenizer.encode_batch(prompted, add_special_tokens=True)
+            for e in self.tokenizer.encode_batch(inputs, add_special_tokens=True)
         ]
 
     def _too_long(self, i: int, text: str, advice: str) -> InvalidInput:

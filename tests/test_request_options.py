@@ -365,3 +365,32 @@ def test_berth_embed_takes_the_options(
     check(
         entries["excluded"], {"prompt_name": "passage", "dimensions": 16}, ours, "CLI"
     )
+
+
+def test_tokenize_shows_the_prompt_a_call_names(
+    stub: berth_pb2_grpc.BerthStub,
+) -> None:
+    """Tokenize tokenizes after the prompt its options name, as Embed runs
+    the text: the default prompt when they name none, none with prompt ''."""
+
+    def tokens(**options: Any) -> list[str]:
+        request = berth_pb2.TokenizeRequest(
+            model="prompted", texts=["hello"], options=berth_pb2.Options(**options)
+        )
+        return list(stub.Tokenize(request, timeout=30).results[0].tokens)
+
+    bare = tokens(prompt="")
+    assert bare == ["[CLS]", "hello", "[SEP]"]
+    default, passage = tokens(), tokens(prompt_name="passage")
+    assert default == tokens(prompt_name="query") != passage
+    assert default[-2:] == passage[-2:] == ["hello", "[SEP]"]
+    assert len(default) > len(bare) and len(passage) > len(bare)
+    with pytest.raises(grpc.RpcError) as refused:
+        tokens(prompt_name="nope")
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as no_pairs:
+        stub.Tokenize(
+            berth_pb2.TokenizeRequest(model="prompted", texts=["a"], query="q"),
+            timeout=30,
+        )
+    assert "query is for rerank models" in (no_pairs.value.details() or "")

@@ -222,6 +222,15 @@ def test_the_stack_reranks(tmp_path: Path) -> None:
         scores = np.array([r.score for r in plain.results])
         assert np.abs(scores - theirs).max() <= SCORE_TOLERANCE
         assert all(r.tokens > 2 and not r.text for r in plain.results)
+        shown = stub.Tokenize(
+            berth_pb2.TokenizeRequest(model="ranker", texts=TEXTS[:2], query=QUERY),
+            timeout=60,
+        )
+        assert [len(t.ids) for t in shown.results] == [
+            r.tokens for r in plain.results[:2]
+        ]
+        assert shown.results[1].tokens[-2:] == [".", "[SEP]"]
+        assert list(shown.results[1].tokens).count("[SEP]") == 2
 
         best = stub.Rerank(
             berth_pb2.RerankRequest(
