@@ -208,9 +208,10 @@ class Gateway:
                 reason="UNKNOWN_MODEL",
             )
         if task is not None and model.entry.task != task:
-            verb = model.entry.task.capitalize()
+            task = model.entry.task
+            article = "an" if task[0] in "aeiou" else "a"
             raise InvalidInput(
-                f"model {name!r} is a {model.entry.task} model: call {verb}"
+                f"model {name!r} is {article} {task} model: call {task.capitalize()}"
             )
         return model
 

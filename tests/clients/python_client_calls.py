@@ -9,6 +9,7 @@ goes and prints a JSON line of what the test checks outside.
 from __future__ import annotations
 
 import asyncio
+import base64
 import importlib.metadata
 import importlib.util
 import json
@@ -36,6 +37,8 @@ from berth_client import (
     NotFound,
     Overloaded,
     PermissionDenied,
+    Ranked,
+    RerankResult,
     Retry,
     Tls,
     Unauthenticated,
@@ -44,6 +47,7 @@ from berth_client import (
     berth_pb2_grpc,
     classify_request,
     embed_request,
+    rerank_request,
 )
 
 SERVER_PACKAGES = ("torch", "numpy", "onnxruntime", "tokenizers", "services")
@@ -247,6 +251,98 @@ async def async_calls(
         assert [isinstance(r, BerthError) for r in mixed] == [i == 4 for i in range(12)]
 
 
+def ranked(result: RerankResult) -> list[list[Any]]:
+    """A RerankResult's items as JSON: [index, score, tokens, text] each."""
+    assert all(isinstance(r, Ranked) for r in result.results), result
+    assert result.indices == [r.index for r in result.results]
+    assert result.scores == [r.score for r in result.results]
+    assert result.tokens == [r.tokens for r in result.results]
+    assert result.texts == [r.text for r in result.results]
+    return [[r.index, r.score, r.tokens, r.text] for r in result.results]
+
+
+def details(error: BerthError) -> str:
+    """The error's grpc-status-details-bin trailer (a google.rpc.Status),
+    base64: the test decodes it, having google.rpc's messages."""
+    (found,) = [v for k, v in error.trailing_metadata if k.endswith("-bin")]
+    assert isinstance(found, bytes), found
+    return base64.b64encode(found).decode()
+
+
+def rerank(args: dict[str, Any]) -> dict[str, Any]:
+    """Rerank calls to a cross-encoder ("ranker"): unary, sync and async,
+    streamed among Embed requests; refused ones with their errors."""
+    query, texts = args["query"], args["texts"]
+    out: dict[str, Any] = {}
+    with Client(args["address"], api_key=args["key"], timeout=60) as berth:
+        plain = berth.rerank(query, texts, model="ranker")
+        assert plain.model == "ranker" and not plain.degraded, plain
+        assert plain.indices == list(range(len(texts))), plain
+        assert set(plain.texts) == {""}, plain
+        best = berth.rerank(query, texts, model="ranker", top_k=3, return_text=True)
+        assert best.texts == [texts[i] for i in best.indices], best
+        assert best.scores == sorted(plain.scores, reverse=True)[:3], best
+        raw = berth.rerank(query, texts, model="ranker", sort=True, raw_scores=True)
+        assert raw.indices == best.indices + raw.indices[3:], (raw, best)
+        long = ["fine", "word " * 300]
+        cut = berth.rerank(query, long, model="ranker", truncate=True)
+        out.update(plain=ranked(plain), best=ranked(best), raw=ranked(raw))
+        out["cut_tokens"] = cut.tokens
+        refused = raises(
+            InvalidInput, lambda: berth.rerank(query, long, model="ranker")
+        )
+        out["refused"] = {"details": details(refused), "message": refused.details}
+        option = raises(
+            InvalidInput,
+            lambda: berth.rerank(query, texts, model="ranker", dimensions=8),
+        )
+        out["option_refused"] = details(option)
+        wrong = raises(InvalidInput, lambda: berth.rerank(query, texts, model="minilm"))
+        assert "call Embed" in wrong.details, wrong.details
+        raises_type(lambda: berth.rerank(texts, texts, model="ranker"))  # type: ignore[arg-type]
+        raises_type(lambda: berth.rerank(query, "one text", model="ranker"))
+        # Streamed among Embed requests, answered in order; one refused in
+        # its place.
+        batch = [
+            rerank_request(query, texts, model="ranker"),
+            embed_request(["between the reranks"], model="minilm"),
+            rerank_request(query, texts, model="ranker", top_k=3, return_text=True),
+            rerank_request(query, ["fine", "word " * 300], model="ranker"),
+            rerank_request(query, texts, model="ranker", sort=True, raw_scores=True),
+        ]
+        streamed = list(berth.stream(batch, window=2, return_exceptions=True))
+        assert isinstance(streamed[1], EmbedResult), streamed[1]
+        error = streamed[3]
+        assert isinstance(error, InvalidInput) and error.index == 3, error
+        out["streamed"] = [ranked(streamed[i]) for i in (0, 2, 4)]
+    with Client(args["address"], api_key=args["limited_key"]) as limited:
+        raises(PermissionDenied, lambda: limited.rerank(query, texts, model="ranker"))
+    out["async"] = asyncio.run(async_rerank(args, batch))
+    return out
+
+
+async def async_rerank(args: dict[str, Any], batch: list[Any]) -> dict[str, Any]:
+    query, texts = args["query"], args["texts"]
+    async with AsyncClient(args["address"], api_key=args["key"], timeout=60) as berth:
+        plain = await berth.rerank(query, texts, model="ranker")
+        best = await berth.rerank(
+            query, texts, model="ranker", top_k=3, return_text=True
+        )
+        try:
+            await berth.rerank(query, ["fine", "word " * 300], model="ranker")
+            raise AssertionError("no InvalidInput raised")
+        except InvalidInput as exc:
+            refused = details(exc)
+        streamed = [r async for r in berth.stream(batch, return_exceptions=True)]
+        assert isinstance(streamed[3], InvalidInput), streamed[3]
+    return {
+        "plain": ranked(plain),
+        "best": ranked(best),
+        "refused": refused,
+        "streamed": [ranked(streamed[i]) for i in (0, 2, 4)],
+    }
+
+
 def round_robin(args: dict[str, Any]) -> dict[str, Any]:
     """Calls spread over several gateways: the test counts each one's."""
     with Client(args["addresses"], api_key=args["key"], timeout=60) as berth:
@@ -448,7 +544,7 @@ def reopened_stream() -> dict[str, Any]:
 
 
 SCENARIOS = {
-    f.__name__: f for f in (installed, calls, stream, round_robin, tls, retries)
+    f.__name__: f for f in (installed, calls, stream, rerank, round_robin, tls, retries)
 }
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
 """The Python client (clients/python, berth_client): installed into a virtual
 environment of its own, with grpcio and protobuf at its floors and nothing
 of berth's server, and used there (tests/clients/python_client_calls.py)
-against real `berth serve` stacks: API keys, two gateways round-robin,
-mutual TLS; and against fake gateways for its retry policy. Its stubs are
-generated from protos/ when it is built (clients/python/setup.py)."""
+against real `berth serve` stacks: API keys, two gateways round-robin, a
+cross-encoder reranking, mutual TLS; and against fake gateways for its retry
+policy. Its stubs are generated from protos/ when it is built
+(clients/python/setup.py)."""
 
 from __future__ import annotations
 
+import base64
 import importlib.util
 import json
 import re
@@ -22,14 +24,17 @@ from typing import Any
 
 import grpc
 import pytest
+from google.rpc import error_details_pb2, status_pb2
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
+from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
 from tests.metrics import requests, scrape
 from tests.pki import Pki, issue
 from tests.stack import ROOT, Stack, serving
 from tests.test_dependencies import FIXED_IN, pins
+from tests.test_rerank import QUERY, TEXTS, write_cross_encoder
 
 CLIENT = ROOT / "clients" / "python"
 CALLS = Path(__file__).with_name("python_client_calls.py")
@@ -159,14 +164,17 @@ def test_the_client_needs_only_grpcio_and_protobuf(client_python: Path) -> None:
 def keyed(
     repository: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stack]:
-    """Two gateways, each also on a port of its own, taking API keys."""
+    """Two gateways, each also on a port of its own, taking API keys; the
+    default models and a tiny cross-encoder, "ranker"."""
     keys = tmp_path_factory.mktemp("keys") / "keys"
     keys.write_text(f"{KEY}\n{LIMITED_KEY} minilm\n")
+    ranker = tmp_path_factory.mktemp("ranker") / "cross-encoder"
+    write_cross_encoder(ranker, "bert")
     stack = Stack(
         repository,
         gateways=2,
         own_ports=True,
-        extra_args=["--api-keys-file", str(keys)],
+        extra_args=["--api-keys-file", str(keys), "--model", f"ranker={ranker}"],
     )
     with serving(stack):
         deadline = time.monotonic() + 120
@@ -189,6 +197,73 @@ def test_calls_and_their_errors(client_python: Path, keyed: Stack) -> None:
 def test_stream_pipelines_in_order(client_python: Path, keyed: Stack) -> None:
     found = run(client_python, "stream", address=keyed.gateway, key=KEY)
     assert found["answers"] == 100
+
+
+def same_results(found: list[list[Any]], expected: list[list[Any]]) -> None:
+    """[index, score, tokens, text] items: equal, the scores to float32's
+    precision (another gateway of the stack may have computed them)."""
+    assert [[i, n, t] for i, _, n, t in found] == [
+        [i, n, t] for i, _, n, t in expected
+    ], (found, expected)
+    for (_, ours, _, _), (_, theirs, _, _) in zip(found, expected, strict=True):
+        assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-6), (found, expected)
+
+
+def fields_at_fault(trailer: str) -> list[str]:
+    """The BadRequest fields of a google.rpc.Status trailer, base64."""
+    status = status_pb2.Status.FromString(base64.b64decode(trailer))
+    fields = []
+    for packed in status.details:
+        if packed.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            packed.Unpack(bad)
+            fields += [v.field for v in bad.field_violations]
+    return fields
+
+
+def test_rerank_unary_async_and_streamed(client_python: Path, keyed: Stack) -> None:
+    """The client's Rerank answers, sync, async and streamed, are the
+    gateway's own (asked here with berth's stubs); a refused call names the
+    field at fault."""
+    found = run(
+        client_python,
+        "rerank",
+        address=keyed.gateway,
+        key=KEY,
+        limited_key=LIMITED_KEY,
+        query=QUERY,
+        texts=TEXTS,
+    )
+    auth = (("authorization", f"Bearer {KEY}"),)
+    with grpc.insecure_channel(keyed.gateway) as channel:
+        stub = berth_pb2_grpc.BerthStub(channel)
+
+        def gateway(**fields: Any) -> list[list[Any]]:
+            request = berth_pb2.RerankRequest(
+                model="ranker", query=QUERY, texts=TEXTS, **fields
+            )
+            reply = stub.Rerank(request, metadata=auth, timeout=60)
+            return [[r.index, r.score, r.tokens, r.text] for r in reply.results]
+
+        plain = gateway()
+        best = gateway(top_k=3, return_text=True)
+        raw = gateway(sort=True, raw_scores=True)
+    assert [item[3] for item in best] == [TEXTS[item[0]] for item in best]
+    for kind, expected in (("plain", plain), ("best", best), ("raw", raw)):
+        same_results(found[kind], expected)
+    for side in (found, found["async"]):
+        for streamed, expected in zip(
+            side["streamed"], (plain, best, raw), strict=True
+        ):
+            same_results(streamed, expected)
+    same_results(found["async"]["plain"], plain)
+    same_results(found["async"]["best"], best)
+    # The ranker's limit is 64 tokens: the long pair cut to it.
+    assert found["cut_tokens"][1] == 64 and found["cut_tokens"][0] < 64
+    assert "texts[1]" in found["refused"]["message"]
+    assert fields_at_fault(found["refused"]["details"]) == ["texts[1]"]
+    assert fields_at_fault(found["async"]["refused"]) == ["texts[1]"]
+    assert fields_at_fault(found["option_refused"]) == ["options.dimensions"]
 
 
 def test_round_robin_reaches_both_gateways(client_python: Path, keyed: Stack) -> None:

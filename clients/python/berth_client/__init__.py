@@ -1,5 +1,5 @@
-"""A Python client of berth's gateway: embeddings, classification and
-tokenization over gRPC (berth.v1.Berth).
+"""A Python client of berth's gateway: embeddings, classification,
+reranking and tokenization over gRPC (berth.v1.Berth).
 
     from berth_client import Client
 
@@ -32,9 +32,12 @@ from berth_client.results import (
     ClassifyResult,
     EmbedResult,
     Label,
+    Ranked,
+    RerankResult,
     TokenizeResult,
     classify_request,
     embed_request,
+    rerank_request,
 )
 
 __all__ = [
@@ -50,6 +53,8 @@ __all__ = [
     "NotFound",
     "Overloaded",
     "PermissionDenied",
+    "Ranked",
+    "RerankResult",
     "Retry",
     "ServerError",
     "Tls",
@@ -61,4 +66,5 @@ __all__ = [
     "berth_pb2_grpc",
     "classify_request",
     "embed_request",
+    "rerank_request",
 ]

@@ -33,10 +33,12 @@ from berth_client.pipeline import Pipeline, stream_request
 from berth_client.results import (
     ClassifyResult,
     EmbedResult,
+    RerankResult,
     StreamResult,
     TokenizeResult,
     classify_request,
     embed_request,
+    rerank_request,
 )
 
 _END = object()
@@ -181,6 +183,43 @@ class AsyncClient:
             wait_for_ready=wait_for_ready,
         )
         return ClassifyResult.of(response)
+
+    async def rerank(
+        self,
+        query: str,
+        texts: Sequence[str],
+        *,
+        model: str,
+        top_k: int = 0,
+        sort: bool = False,
+        raw_scores: bool = False,
+        return_text: bool = False,
+        truncate: bool = False,
+        timeout: float | None = None,
+        metadata: CallMetadata = (),
+        wait_for_ready: bool | None = None,
+        **fields: Any,
+    ) -> RerankResult:
+        """:meth:`Client.rerank`."""
+        request = rerank_request(
+            query,
+            texts,
+            model=model,
+            top_k=top_k,
+            sort=sort,
+            raw_scores=raw_scores,
+            return_text=return_text,
+            truncate=truncate,
+            **fields,
+        )
+        response = await self.call(
+            "Rerank",
+            request,
+            timeout=timeout,
+            metadata=metadata,
+            wait_for_ready=wait_for_ready,
+        )
+        return RerankResult.of(response)
 
     async def tokenize(
         self,

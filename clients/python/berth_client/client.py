@@ -26,10 +26,12 @@ from berth_client.pipeline import Answer, Pipeline, stream_request
 from berth_client.results import (
     ClassifyResult,
     EmbedResult,
+    RerankResult,
     StreamResult,
     TokenizeResult,
     classify_request,
     embed_request,
+    rerank_request,
 )
 
 CallMetadata = Sequence[tuple[str, str | bytes]]
@@ -215,6 +217,49 @@ class Client:
         )
         return ClassifyResult.of(response)
 
+    def rerank(
+        self,
+        query: str,
+        texts: Sequence[str],
+        *,
+        model: str,
+        top_k: int = 0,
+        sort: bool = False,
+        raw_scores: bool = False,
+        return_text: bool = False,
+        truncate: bool = False,
+        timeout: float | None = None,
+        metadata: CallMetadata = (),
+        wait_for_ready: bool | None = None,
+        **fields: Any,
+    ) -> RerankResult:
+        """Score each of ``texts`` against ``query`` with the rerank model
+        ``model`` (a cross-encoder), as sentence-transformers' CrossEncoder
+        does: the results in the order of the texts, or best first with
+        ``sort``, or the best ``top_k`` only (0: all). ``raw_scores``: the
+        model's logits, without its activation; ``return_text``: each
+        result carries its text; ``truncate``: cut a pair over the model's
+        token limit instead of failing InvalidInput."""
+        request = rerank_request(
+            query,
+            texts,
+            model=model,
+            top_k=top_k,
+            sort=sort,
+            raw_scores=raw_scores,
+            return_text=return_text,
+            truncate=truncate,
+            **fields,
+        )
+        response = self.call(
+            "Rerank",
+            request,
+            timeout=timeout,
+            metadata=metadata,
+            wait_for_ready=wait_for_ready,
+        )
+        return RerankResult.of(response)
+
     def tokenize(
         self,
         texts: Sequence[str],
@@ -266,8 +311,9 @@ class Client:
         return_exceptions: bool = False,
     ) -> Iterator[StreamResult | BerthError]:
         """The answers of many requests, in the order of ``requests``
-        (EmbedRequest or ClassifyRequest messages: :func:`embed_request`,
-        :func:`classify_request`), sent over one Stream call with up to
+        (EmbedRequest, ClassifyRequest or RerankRequest messages:
+        :func:`embed_request`, :func:`classify_request`,
+        :func:`rerank_request`), sent over one Stream call with up to
         ``window`` of them sent and not yet handed back.
 
         ``requests`` is read as the window allows (on a gRPC thread), so it

@@ -17,15 +17,20 @@ from typing import Any
 
 from berth_client._proto.berth.v1 import berth_pb2
 from berth_client.errors import BerthError, from_stream_error
-from berth_client.results import ClassifyResult, EmbedResult, StreamResult
+from berth_client.results import (
+    ClassifyResult,
+    EmbedResult,
+    RerankResult,
+    StreamResult,
+)
 
 Answer = StreamResult | BerthError
 
 
 def stream_request(request: Any) -> berth_pb2.StreamRequest:
     """A StreamRequest of its own holding ``request``: an EmbedRequest, a
-    ClassifyRequest or a StreamRequest holding one (copied, as the request
-    id is set in it)."""
+    ClassifyRequest, a RerankRequest or a StreamRequest holding one (copied,
+    as the request id is set in it)."""
     message = berth_pb2.StreamRequest()
     if isinstance(request, berth_pb2.StreamRequest):
         message.CopyFrom(request)
@@ -33,19 +38,22 @@ def stream_request(request: Any) -> berth_pb2.StreamRequest:
         message.embed.CopyFrom(request)
     elif isinstance(request, berth_pb2.ClassifyRequest):
         message.classify.CopyFrom(request)
+    elif isinstance(request, berth_pb2.RerankRequest):
+        message.rerank.CopyFrom(request)
     else:
         raise TypeError(
-            "stream() takes EmbedRequest, ClassifyRequest or StreamRequest "
-            "messages (berth_client.embed_request, classify_request), not "
-            f"{type(request).__name__}"
+            "stream() takes EmbedRequest, ClassifyRequest, RerankRequest or "
+            "StreamRequest messages (berth_client.embed_request, "
+            f"classify_request, rerank_request), not {type(request).__name__}"
         )
     if _inner(message) is None:
-        raise TypeError("a StreamRequest holding neither embed nor classify")
+        raise TypeError("a StreamRequest holding no embed, classify or rerank")
     return message
 
 
 def _inner(message: Any) -> Any:
-    """The EmbedRequest/ClassifyRequest (or response) inside a stream message."""
+    """The Embed/Classify/Rerank request (or response) inside a stream
+    message."""
     kind = message.WhichOneof(message.DESCRIPTOR.oneofs[0].name)
     return None if kind is None else getattr(message, kind)
 
@@ -128,6 +136,8 @@ class Pipeline:
             self.answers[number] = EmbedResult.of(response.embed)
         elif kind == "classify":
             self.answers[number] = ClassifyResult.of(response.classify)
+        elif kind == "rerank":
+            self.answers[number] = RerankResult.of(response.rerank)
         else:
             error = response.error
             self.answers[number] = from_stream_error(

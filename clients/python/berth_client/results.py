@@ -14,7 +14,12 @@ from typing import Any, NamedTuple, TypeVar
 
 from berth_client._proto.berth.v1 import berth_pb2
 
-Request = TypeVar("Request", berth_pb2.EmbedRequest, berth_pb2.ClassifyRequest)
+Request = TypeVar(
+    "Request",
+    berth_pb2.EmbedRequest,
+    berth_pb2.ClassifyRequest,
+    berth_pb2.RerankRequest,
+)
 
 
 def _texts(texts: Sequence[str]) -> list[str]:
@@ -75,6 +80,36 @@ def classify_request(
     """A ClassifyRequest for the ``top_k`` best labels of each text."""
     fields["top_k"] = top_k
     return _build(berth_pb2.ClassifyRequest, texts, model, normalize, truncate, fields)
+
+
+def rerank_request(
+    query: str,
+    texts: Sequence[str],
+    *,
+    model: str,
+    top_k: int = 0,
+    sort: bool = False,
+    raw_scores: bool = False,
+    return_text: bool = False,
+    truncate: bool = False,
+    **fields: Any,
+) -> berth_pb2.RerankRequest:
+    """A RerankRequest scoring each of ``texts`` against ``query`` with a
+    rerank model (a cross-encoder). ``top_k``: only the best k, best first
+    (0: all); ``sort``: best first (else in the order of ``texts``);
+    ``raw_scores``: the model's logits, without its activation;
+    ``return_text``: each result carries its text; ``truncate``: cut a pair
+    over the model's token limit instead of having the call refused."""
+    if not isinstance(query, str):
+        raise TypeError(f"query is one str, not {type(query).__name__}")
+    fields.update(
+        query=query,
+        top_k=top_k,
+        sort=sort,
+        raw_scores=raw_scores,
+        return_text=return_text,
+    )
+    return _build(berth_pb2.RerankRequest, texts, model, None, truncate, fields)
 
 
 @dataclass(frozen=True)
@@ -153,4 +188,57 @@ class TokenizeResult:
         )
 
 
-StreamResult = EmbedResult | ClassifyResult
+@dataclass(frozen=True)
+class Ranked:
+    """One text's score: ``index``, its place in the texts of the request;
+    ``tokens``, those of the (query, text) pair as the model saw it;
+    ``text``, the text when the request asked for it (else ''). (A
+    dataclass, not a NamedTuple: a tuple has an ``index`` method.)"""
+
+    index: int
+    score: float
+    tokens: int
+    text: str
+
+
+@dataclass(frozen=True)
+class RerankResult:
+    """Each text's score against the query, in the answer's order: the
+    order of the texts, or best first when the request sorted or asked for
+    ``top_k`` (then only those). ``degraded``: answered by the model's CPU
+    fallback."""
+
+    model: str
+    results: list[Ranked]
+    degraded: bool
+    response: berth_pb2.RerankResponse = field(repr=False, compare=False)
+
+    @property
+    def indices(self) -> list[int]:
+        return [r.index for r in self.results]
+
+    @property
+    def scores(self) -> list[float]:
+        return [r.score for r in self.results]
+
+    @property
+    def tokens(self) -> list[int]:
+        return [r.tokens for r in self.results]
+
+    @property
+    def texts(self) -> list[str]:
+        return [r.text for r in self.results]
+
+    @classmethod
+    def of(cls, response: berth_pb2.RerankResponse) -> RerankResult:
+        return cls(
+            model=response.model,
+            results=[
+                Ranked(r.index, r.score, r.tokens, r.text) for r in response.results
+            ],
+            degraded=response.degraded,
+            response=response,
+        )
+
+
+StreamResult = EmbedResult | ClassifyResult | RerankResult
