@@ -57,7 +57,7 @@ RUN python -m venv /opt/venv \
     && /opt/venv/bin/pip install -c constraints.txt numpy grpcio grpcio-health-checking \
        grpcio-reflection protobuf googleapis-common-protos tokenizers safetensors \
        opentelemetry-api opentelemetry-sdk opentelemetry-exporter-otlp-proto-grpc \
-       prometheus-client uvloop
+       prometheus-client uvloop aiohttp
 
 FROM ${PYTHON_IMAGE} AS runtime
 LABEL org.opencontainers.image.title="berth" \
@@ -90,7 +90,7 @@ FROM runtime AS serve
 COPY --from=serve-env /opt/venv /opt/venv
 COPY --from=models /models /models
 USER 10001:10001
-EXPOSE 50051 50060 9464 9465
+EXPOSE 50051 8080 50060 9464 9465
 # The gateway's port; a batcher container overrides it (docker-compose.yml).
 HEALTHCHECK --interval=10s --timeout=5s --start-period=30m --retries=3 \
     CMD ["python", "-m", "services.cli", "health", "--address", "127.0.0.1:50051"]

@@ -13,7 +13,7 @@ TORCH_CPU ?= torch==2.13.0
 # too (--build-constraint: the grpcio-tools that generates the stubs).
 PINNED := -c constraints.txt --build-constraint constraints.txt
 
-.PHONY: run test lint venv models bench mutations constraints clean
+.PHONY: run test lint venv models bench mutations constraints clean prometheus netns-tools
 
 venv: $(VENV)/.installed
 
@@ -67,7 +67,27 @@ lint: venv $(BUF)
 	$(BUF) lint
 	$(BUF) breaking protos --against $(RELEASED_PROTOS)
 
-test: venv models lint
+# Debian's prometheus, which tests/test_prometheus.py runs as a plain process
+# of its own; where systemd started the package's service, it is stopped.
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+prometheus:
+	command -v prometheus >/dev/null 2>&1 || { \
+	  $(SUDO) apt-get update -qq && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    --no-install-recommends prometheus && \
+	  if command -v systemctl >/dev/null 2>&1; then \
+	    $(SUDO) systemctl disable --now prometheus >/dev/null 2>&1 || true; \
+	  fi; }
+
+# iproute2's ip, with which tests/chaos/test_hosts.py puts gateway, batcher
+# and engines in network namespaces of their own (as root).
+netns-tools:
+	command -v ip >/dev/null 2>&1 || { \
+	  $(SUDO) apt-get update -qq && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    --no-install-recommends iproute2; }
+
+test: venv models lint prometheus netns-tools
 	HF_HUB_OFFLINE=1 BERTH_MODEL_REPOSITORY=$(abspath $(REPO)) $(PY) -m pytest -q
 
 # Break one behaviour at a time (tests/mutations.toml); each must fail its tests.

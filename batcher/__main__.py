@@ -23,7 +23,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = service_parser(
         "batcher", __doc__, port=DEFAULT_BATCHER_PORT, metrics_port=9465
     )
-    add_flag(parser, "engines", "127.0.0.1:50070", "comma-separated engine addresses")
+    add_flag(
+        parser,
+        "engines",
+        "127.0.0.1:50070",
+        "comma-separated engine addresses; dns:///NAME:PORT follows every "
+        "address NAME resolves to",
+    )
     add_scheduler_flags(parser)
     gpu_buckets_flag(parser)
     return parser

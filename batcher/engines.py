@@ -6,11 +6,12 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Collection, Iterable
+from collections.abc import AsyncIterator, Callable, Collection, Coroutine, Iterable
 from typing import Any
 
 import grpc
 
+from batcher import discovery
 from services.errors import ENGINE_LOADING
 from services.proto.berth.v1 import internal_pb2, internal_pb2_grpc
 from services.streams import StreamClient
@@ -21,6 +22,10 @@ MAX_EJECTION_S = 30.0
 # How often an engine that is loading its models is asked again whether it
 # is done (EngineClient._handshake): one cheap call, five times a second.
 LOADING_POLL_S = 0.2
+# An engine whose address left DNS takes no new batches; those it holds get
+# this long to be answered before its stream is closed, which fails the rest
+# over to other engines (Dispatcher._execute re-sends them).
+RETIRE_GRACE_S = 5.0
 
 
 class EngineClient(
@@ -202,11 +207,27 @@ class EngineClient(
 class EnginePool:
     """All engines of this batcher; picks where the next batch goes."""
 
-    def __init__(self, addresses: list[str], slots_per_engine: int = 2) -> None:
+    def __init__(
+        self,
+        addresses: list[str],
+        slots_per_engine: int = 2,
+        dns_interval_s: float = 5.0,
+    ) -> None:
+        """``addresses``: engine addresses, and ``dns:///NAME:PORT`` names
+        whose addresses are followed, looked up every ``dns_interval_s``
+        (batcher/discovery.py)."""
         # Two slots: one batch computing, one prefetched behind it.
         self.slots = slots_per_engine
         self._listeners: list[Callable[[], None]] = []
-        self.engines = [EngineClient(a, self._changed) for a in addresses]
+        fixed, self._names = discovery.split(addresses)
+        if self._names and dns_interval_s <= 0:
+            raise ValueError(f"--dns-interval-s is {dns_interval_s}: it must be > 0")
+        self._dns_interval_s = dns_interval_s
+        self.engines = [EngineClient(a, self._changed) for a in dict.fromkeys(fixed)]
+        self._fixed = set(fixed)
+        self._found: dict[str, set[str]] = {}  # per DNS name, its addresses
+        self._started = False
+        self._tasks: set[asyncio.Task[None]] = set()  # following, retiring
         self._rr = itertools.count()
         self._batch_ids = itertools.count(1)
         self._turns = itertools.count()  # which listener hears of a change first
@@ -232,11 +253,78 @@ class EnginePool:
             listener()
 
     def start(self) -> None:
+        self._started = True
         for engine in self.engines:
             engine.start()
+        if self._names:
+            names = self._names
+            self._spawn(discovery.follow(names, self._dns_interval_s, self.follow))
 
     async def close(self) -> None:
+        self._started = False
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.gather(*(e.close() for e in self.engines))
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(_log_failure)
+
+    # ---- engines found through DNS -------------------------------------------
+
+    def follow(self, target: str, addresses: set[str]) -> None:
+        """``target`` (a ``dns:///`` name) resolves to ``addresses`` now: a
+        stream to each new one; each that is gone, unless another name or
+        the fixed list still has it, is retired (:meth:`_retire`)."""
+        before = self._found.get(target, set())
+        if addresses == before:
+            return
+        self._found[target] = addresses
+        wanted = self._fixed.union(*self._found.values())
+        have = {engine.address: engine for engine in self.engines}
+        added = sorted(addresses - have.keys())
+        gone = sorted(a for a in before - addresses if a not in wanted and a in have)
+        log.info(
+            "%s resolves to %s%s%s",
+            target,
+            ", ".join(sorted(addresses)),
+            f"; new: {', '.join(added)}" if added else "",
+            f"; gone: {', '.join(gone)}" if gone else "",
+        )
+        for address in added:
+            engine = EngineClient(address, self._changed)
+            self.engines.append(engine)
+            if self._started:
+                engine.start()
+        for address in gone:
+            self._retire(have[address])
+        self._changed()
+
+    def _retire(self, engine: EngineClient) -> None:
+        """Take ``engine`` out of the pool: no new batches; those it holds
+        get RETIRE_GRACE_S to finish, then its stream closes and what is
+        still on it is re-sent to other engines."""
+        self.engines.remove(engine)
+        log.info(
+            "engine %s retired: no new batches, %d in flight get %.0f s",
+            engine.address,
+            engine.in_flight,
+            RETIRE_GRACE_S,
+        )
+
+        async def finish() -> None:
+            try:
+                deadline = time.monotonic() + RETIRE_GRACE_S
+                while engine.in_flight and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+            finally:
+                await engine.close()
+            log.info("engine %s closed (retired)", engine.address)
+
+        self._spawn(finish())
 
     def serving(self, model: str) -> list[EngineClient]:
         """Connected engines that have the model (ejected ones included)."""
@@ -292,3 +380,10 @@ class EnginePool:
     def completed(self) -> None:
         """An engine slot freed up."""
         self._changed()
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    """Say why a pool task (following a name, retiring an engine) ended
+    with an error: nobody awaits it."""
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("engine pool task failed", exc_info=exc)

@@ -9,10 +9,12 @@ class alone.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable, Mapping
 
 import grpc
 
+from batcher import metrics
 from batcher.engines import EnginePool
 from batcher.options import SchedulerConfig
 from batcher.scheduler import ModelScheduler
@@ -38,8 +40,9 @@ class LocalBatcher:
         config: SchedulerConfig,
     ) -> LocalBatcher:
         """A scheduler per model entry over a pool of the ``engines``
-        (addresses); nothing runs before :meth:`start`."""
-        pool = EnginePool(engines)
+        (addresses, or ``dns:///NAME:PORT`` names to follow); nothing runs
+        before :meth:`start`."""
+        pool = EnginePool(engines, dns_interval_s=config.dns_interval_s)
         schedulers = {
             name: ModelScheduler(entry, pool, config) for name, entry in entries.items()
         }
@@ -63,8 +66,13 @@ class LocalBatcher:
     def start(self) -> None:
         """Connect to the engines and start every model's scheduler."""
         self._pool.start()
-        for scheduler in self.schedulers.values():
+        for name, scheduler in self.schedulers.items():
             scheduler.start()
+            # Counted when scraped (on the metrics thread): engines come,
+            # go and are ejected without the scheduler hearing of it.
+            metrics.ENGINES_HEALTHY.labels(name).set_function(
+                functools.partial(self.engines_available, name)
+            )
 
     async def drain(self) -> None:
         """Send everything queued, wait for its answers, then take no more."""
@@ -84,6 +92,10 @@ class LocalBatcher:
     def serves_any(self) -> bool:
         """Whether some model has an engine connected."""
         return any(self._pool.serving(name) for name in self.schedulers)
+
+    def engines_available(self, model: str) -> int:
+        """How many engines take ``model``'s batches now."""
+        return len(self._pool.available(model))
 
     def describe(self) -> internal_pb2.BatcherModels:
         """Each model's circuit state and how many engines can take its batches."""

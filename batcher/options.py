@@ -27,6 +27,7 @@ class SchedulerConfig:
     breaker_failures: int = 3
     breaker_cooldown_s: float = 5.0
     latency_target_s: float = 0.050  # per batch, for the adaptive sizes
+    dns_interval_s: float = 5.0  # dns:/// engine names are looked up again
 
 
 def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +46,9 @@ def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(
         parser, "latency-target-ms", 50.0, "batch latency the adaptive sizes aim at"
     )
+    add_flag(
+        parser, "dns-interval-s", 5.0, "how often dns:/// engine names are resolved"
+    )
 
 
 def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
@@ -60,4 +64,5 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
         breaker_failures=args.breaker_failures,
         breaker_cooldown_s=args.breaker_cooldown_s,
         latency_target_s=args.latency_target_ms / 1000,
+        dns_interval_s=args.dns_interval_s,
     )

@@ -12,6 +12,7 @@ from gateway.batcher_client import BatcherClient, Batching
 from gateway.berth import Berth
 from gateway.cache import ResponseCache
 from gateway.calls import STREAM_WINDOW
+from gateway.http import add_http_flag, http_flags_problem, start_http
 from gateway.inline import DirectWhenIdle, InlineBatcher
 from gateway.intake import Intake, add_service
 from gateway.kserve import SERVICE_NAME as KSERVE_SERVICE
@@ -108,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         "calls gRPC already received but had not handed over yet are "
         "answered, not CANCELLED, and health-checking clients move away",
     )
+    add_http_flag(parser)
     add_keys_flag(parser)
     add_tls_flags(parser)
     gpu_buckets_flag(parser)
@@ -134,7 +136,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"--own-port {args.own_port} is --port too: give the gateway a port "
             "of its own beside the shared one (0: none)"
         )
-    if problem := tls_flags_problem(args):
+    if problem := tls_flags_problem(args) or http_flags_problem(args):
         parser.error(problem)
     args.api_keys = keys_of(parser, args.api_keys_file)
     return args
@@ -260,6 +262,7 @@ async def main(args: argparse.Namespace) -> None:
     )
     KServeService(gateway, args.stream_window).add_to_server(server, intake)
     await server.start()
+    http = await start_http(args, gateway, lambda: server.serving)
     start_keys(args.api_keys)
     freeze_startup_heap()
     log.info(
@@ -274,6 +277,8 @@ async def main(args: argparse.Namespace) -> None:
 
     async def drain() -> None:
         health.cancel()
+        if http is not None:  # stops listening, lets its requests finish
+            await http.stop()
 
     await server.run_until_signalled(
         drain, grace_s=args.drain_timeout_s, lame_duck_s=args.lame_duck_s

@@ -16,7 +16,8 @@ from services.errors import BerthError, InvalidInput, Overloaded, UnknownModel
 from services.metrics import LATENCY_BUCKETS, Memo
 from services.proto.berth.v1 import berth_pb2
 
-# api: embed, classify, rerank, stream (berth.v1); kserve, kserve_stream (KServe v2)
+# api: embed, classify, rerank, stream (berth.v1); kserve, kserve_stream (KServe
+# v2); http (gateway/http.py)
 # outcome: ok, invalid, shed, degraded, failed
 REQUESTS = Memo(
     Counter(

@@ -8,6 +8,8 @@ from typing import Any
 
 DEFAULT_REPOSITORY = "model_repository"
 DEFAULT_GATEWAY_PORT = 50051
+# The gateways' HTTP/JSON port under `berth serve` (a lone gateway: off).
+DEFAULT_HTTP_PORT = 8080
 DEFAULT_BATCHER_PORT = 50060
 DEFAULT_ENGINE_PORT = 50070
 

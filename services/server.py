@@ -154,6 +154,8 @@ class ServiceServer:
             for where, port in zip(also, also_ports, strict=True)
         ]
         self._stop = asyncio.Event()
+        # What health answers for the whole server (an HTTP surface's too).
+        self.serving = False
 
     def _listen(self, address: str, reuse_port: bool) -> int:
         port_text = address.rpartition(":")[2]
@@ -239,6 +241,7 @@ class ServiceServer:
         )
         for service in (OVERALL, *self.service_names):
             await self.health.set(service, status)
+        self.serving = serving
         mark_ready(serving)
 
     def request_stop(self) -> None:
@@ -267,6 +270,7 @@ class ServiceServer:
         await self._stop.wait()
         log.info("%s draining: NOT_SERVING, finishing in-flight work", self.name)
         await self.health.enter_graceful_shutdown()
+        self.serving = False
         if lame_duck_s > 0:
             await asyncio.sleep(lame_duck_s)
         if drain is not None:

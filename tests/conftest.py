@@ -14,6 +14,11 @@ from services.proto.berth.v1 import berth_pb2_grpc
 from services.repository import ModelEntry
 from tests.stack import Stack, serving
 
+# `berth serve` started by a test listens for HTTP only where the test asks
+# (Stack(http=True) gives a free port): serve's default, 8080, is one fixed
+# port that stacks running side by side would contend for.
+os.environ.setdefault("BERTH_HTTP_PORT", "0")
+
 
 @pytest.fixture(scope="session")
 def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -66,9 +66,11 @@ class Stack:
         gateways: int = 1,
         batchers: int = 1,
         own_ports: bool = False,
+        http: bool = False,
     ) -> None:
         """``own_ports``: each gateway also on a port of its own
-        (--gateway-own-port), listed in ``own_gateways``."""
+        (--gateway-own-port), listed in ``own_gateways``; ``http``: the
+        gateways' HTTP/JSON surface on a free port, at ``http`` (else off)."""
         (gateway,) = free_ports(1)
         # Engine and batcher ports are consecutive from --engine-port and
         # --batcher-port: find free runs.
@@ -89,6 +91,8 @@ class Stack:
         self.own_gateways = [
             f"127.0.0.1:{own + i}" for i in range(gateways if own else 0)
         ]
+        http_port = _free_run(1, taken) if http else 0
+        self.http = f"http://127.0.0.1:{http_port}" if http else ""
         self.log_path = Path(os.environ.get("BERTH_TEST_LOGS", "/tmp")) / (
             f"berth-stack-{gateway}.log"
         )
@@ -115,6 +119,7 @@ class Stack:
             "--batchers",
             str(batchers),
             *(("--gateway-own-port", str(own)) if own else ()),
+            *("--http-port", str(http_port)),
             *(extra_args or []),
         ]
         self.proc = subprocess.Popen(

@@ -38,6 +38,7 @@ FIXED_IN = {
     "cryptography": ("50.0.0", "CVE-2026-69247"),
     "pytest": ("9.0.3", "CVE-2025-71176"),
     "setuptools": ("83.0.0", "CVE-2026-59890"),
+    "aiohttp": ("3.13.3", "CVE-2025-69223"),
     # Not requirements of berth's own, so pinned only.
     "urllib3": ("2.7.0", "CVE-2026-44431, CVE-2026-44432"),
     "jinja2": ("3.1.6", "CVE-2025-27516"),

@@ -204,7 +204,8 @@ def test_compose_commands_and_environment_are_the_services_own(
         # Batcher and gateway batch to the buckets a GPU engine warms up for.
         assert args.get("gpu_buckets", gpu) is gpu, name
         if gpu and name == "gateway":
-            assert args["direct_when_idle"] and args["engines"] == "engine:50070"
+            assert args["direct_when_idle"]
+            assert args["engines"] == "dns:///engine:50070"
     engine = services["engine"]
     devices = (
         engine.get("deploy", {})
@@ -399,7 +400,10 @@ def test_manifests_run_real_commands_with_real_settings(
     for doc, container in workloads(overlay):
         parsed = args[berth_service(container["command"])]
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-        assert ports == {"grpc": parsed["port"], "metrics": parsed["metrics_port"]}
+        declared = {"grpc": parsed["port"], "metrics": parsed["metrics_port"]}
+        if parsed.get("http_port"):  # the gateway's HTTP/JSON port
+            declared["http"] = parsed["http_port"]
+        assert ports == declared
         annotations = doc["spec"]["template"]["metadata"]["annotations"]
         assert annotations["prometheus.io/port"] == str(parsed["metrics_port"])
 
@@ -487,26 +491,25 @@ def test_engines_get_their_accelerator(overlay: str) -> None:
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_engines_have_stable_names_the_batcher_lists(
+def test_the_batcher_follows_the_engines_headless_service(
     overlay: str, stand_ins: Path
 ) -> None:
-    """The batcher holds one stream per address in --engines (it follows no
-    DNS): the StatefulSet's pod names under its headless Service, one for
-    each replica the HPA may run."""
+    """The batcher (and a hybrid gateway) is given the engines' headless
+    Service as dns:///NAME:PORT and follows the addresses it resolves to
+    (batcher/discovery.py); the Service lists ready engines only."""
     engine = find(overlay, "StatefulSet", "berth-engine")
     service = find(overlay, "Service", engine["spec"]["serviceName"])
     assert service["spec"]["clusterIP"] == "None"
-    hpa = find(overlay, "HorizontalPodAutoscaler", "berth-engine")
-    assert hpa["spec"]["scaleTargetRef"]["name"] == "berth-engine"
+    assert service["spec"].get("publishNotReadyAddresses", False) is False
+    selector = engine["spec"]["selector"]["matchLabels"]
+    assert service["spec"]["selector"].items() <= selector.items()
     port = next(p["port"] for p in service["spec"]["ports"] if p["name"] == "grpc")
-    name = service["metadata"]["name"]
-    expected = [
-        f"berth-engine-{i}.{name}:{port}" for i in range(hpa["spec"]["maxReplicas"])
-    ]
+    expected = f"dns:///{service['metadata']['name']}:{port}"
     args = parsed_workloads(overlay, stand_ins)
-    assert args["batcher"]["engines"].split(",") == expected
+    assert args["batcher"]["engines"] == expected
+    assert args["batcher"]["dns_interval_s"] > 0
     if args["gateway"]["engines"]:
-        assert args["gateway"]["engines"].split(",") == expected
+        assert args["gateway"]["engines"] == expected
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -22,6 +22,7 @@ from services.config import (
     DEFAULT_BATCHER_PORT,
     DEFAULT_ENGINE_PORT,
     DEFAULT_GATEWAY_PORT,
+    DEFAULT_HTTP_PORT,
     add_flag,
     repository_flag,
 )
@@ -76,6 +77,13 @@ def _serve_process_flags(serve: argparse.ArgumentParser) -> None:
         "hops with --internal-tls-*)",
     )
     add_flag(serve, "port", DEFAULT_GATEWAY_PORT, "gateway port")
+    add_flag(
+        serve,
+        "http-port",
+        DEFAULT_HTTP_PORT,
+        "the gateways' HTTP/JSON port (OpenAI /v1/embeddings, TEI /embed, "
+        "/predict, /rerank) on --host, shared like --port (0: off)",
+    )
     add_flag(
         serve,
         "gateways",
@@ -217,14 +225,6 @@ def _client_parsers(sub: Subcommands) -> None:
         p.add_argument(
             "--truncate", action="store_true", help="cut texts over the limit"
         )
-        p.add_argument(
-            "--normalize", action=argparse.BooleanOptionalAction, default=None
-        )
-        p.add_argument(
-            "--prompt-name",
-            default="",
-            help="prepend the model's prompt of this name to every text",
-        )
         if name == "rerank":
             p.add_argument("--query", required=True, help="what the texts answer")
             p.add_argument(
@@ -238,6 +238,14 @@ def _client_parsers(sub: Subcommands) -> None:
             _client_flags(p)
             p.set_defaults(func=func)
             continue
+        p.add_argument(
+            "--normalize", action=argparse.BooleanOptionalAction, default=None
+        )
+        p.add_argument(
+            "--prompt-name",
+            default="",
+            help="prepend the model's prompt of this name to every text",
+        )
         p.add_argument(
             "--prompt",
             default=None,

@@ -104,6 +104,8 @@ def plan_stack(args: argparse.Namespace, devices: list[str]) -> Plan:
     gateways = args.gateways or default_gateways(gpus)
     plan = Plan(args, devices, batcher_mode(args.batcher_mode, gpus), gateways)
     plan.listeners.append(Listener("gateway", "--port", args.port))
+    if args.http_port:
+        plan.listeners.append(Listener("gateway", "--http-port", args.http_port))
     engines = args.engines or default_engines(gpus)
     for i in range(engines):
         plan.children.append(_engine(plan, i, engines))
@@ -189,6 +191,7 @@ def _gateway(plan: Plan, name: str, i: int, metrics_offset: int) -> Child:
     argv = python_module(
         "gateway",
         *("--host", args.host, "--port", str(args.port)),
+        *("--http-port", str(args.http_port)),
         *gateway_route(
             plan.mode,
             batchers[i % len(batchers)] if batchers else "",
@@ -274,6 +277,8 @@ def summary(plan: Plan) -> str:
     if plan.own_ports:
         span = f"-{plan.own_ports[-1]}" if len(plan.own_ports) > 1 else ""
         gateways += f", each also alone on {args.host}:{plan.own_ports[0]}{span}"
+    if args.http_port:
+        gateways += f", HTTP/JSON on {args.host}:{args.http_port}"
     return (
         f"starting {engines} engine(s) on {where}, {batching}, "
         f"{plan.gateways} gateway process(es) on {gateways}"

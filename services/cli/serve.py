@@ -151,6 +151,8 @@ def supervise(supervisor: Supervisor, plan: Plan) -> int:
     while not supervisor.stopping:
         if not supervisor.served and gateway_serving(plan):
             hint = try_hint(Path(plan.args.model_repository), gateway)
+            if plan.args.http_port:
+                hint = f", HTTP/JSON on {plan.args.host}:{plan.args.http_port}{hint}"
             print(f"berth is serving on {gateway}{hint}", flush=True)
             supervisor.served = True
         failure = supervisor.check()
