@@ -33,6 +33,7 @@ from gateway.kserve_tensors import (
     TEXT,
     VERSION,
     decode_texts,
+    field_of,
     final_response_wanted,
     outputs_of,
     parse_call,
@@ -40,7 +41,7 @@ from gateway.kserve_tensors import (
 )
 from gateway.metrics import ModelStats
 from gateway.pipeline import Gateway, Model
-from services.errors import BerthError, UnknownModel
+from services.errors import BerthError, InvalidInput, UnknownModel, abort
 from services.proto.berth.v1 import berth_pb2
 from services.proto.inference import grpc_service_pb2 as pb
 from services.proto.inference import grpc_service_pb2_grpc as pb_grpc
@@ -54,6 +55,32 @@ EXTENSIONS = [
     "binary_tensor_data",
     "parameters",
 ]
+_LOADING = (
+    "berth loads its models from its model repository at start-up and does "
+    "not load or unload them while it serves"
+)
+_SHARED_MEMORY = (
+    "berth takes and gives tensors in the messages only (contents or "
+    "raw_input_contents / raw_output_contents), not in shared memory"
+)
+# Triton's RPCs of the service that berth does not serve, and why: a call
+# gets UNIMPLEMENTED saying so (UnservedMethods).
+UNSERVED = {
+    "RepositoryModelLoad": _LOADING,
+    "RepositoryModelUnload": _LOADING,
+    **{
+        f"{kind}SharedMemory{verb}": _SHARED_MEMORY
+        for kind in ("System", "Cuda")
+        for verb in ("Status", "Register", "Unregister")
+    },
+    "TraceSetting": "berth traces with OpenTelemetry, set at start-up by the "
+    "OTEL_* environment variables",
+    "LogSettings": "berth's log level is set at start-up by BERTH_LOG_LEVEL",
+}
+# The fields naming the model and its version: in ModelInferRequest, and in
+# the requests of ModelReady, ModelMetadata, ModelConfig and ModelStatistics.
+INFER_FIELDS = ("model_name", "model_version")
+MODEL_FIELDS = ("name", "version")
 # What a ModelStreamInfer message refused unread keeps (gateway.intake):
 # enough for its answer to name its request.
 STREAM_CAPTURES = frozenset({"model_name", "id"})
@@ -102,40 +129,102 @@ def _stream_error(
     )
 
 
+class Unimplemented(BerthError):
+    """An RPC this server does not serve."""
+
+    code = grpc.StatusCode.UNIMPLEMENTED
+    reason = "UNIMPLEMENTED"
+
+
+class UnservedMethods(grpc.GenericRpcHandler):
+    """Answers a call of any other method of the service UNIMPLEMENTED with
+    a message naming the method, why it is not served (UNSERVED) and the
+    methods that are, instead of gRPC's bare "Method not found!"."""
+
+    def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        service, _, name = str(details.method).lstrip("/").rpartition("/")
+        if service != SERVICE_NAME:
+            return None
+        served = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods
+        why = UNSERVED.get(name, "it is not a method of the KServe v2 protocol")
+        error = Unimplemented(
+            f"{SERVICE_NAME}/{name} is not served: {why}. This gateway serves "
+            f"{', '.join(m.name for m in served)}"
+        )
+
+        async def refuse(request: bytes, context: grpc.aio.ServicerContext) -> None:
+            await abort(context, error)
+
+        return grpc.unary_unary_rpc_method_handler(refuse)
+
+
 class KServe:
     """The KServe v2 request path over a Gateway, without gRPC."""
 
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
 
-    def model(self, name: str, version: str) -> Model:
-        """The model named, if the call's API key may use it."""
+    def model(
+        self, name: str, version: str, fields: tuple[str, str] = INFER_FIELDS
+    ) -> Model:
+        """The model named, if the call's API key may use it; ``fields``:
+        the request's fields of the name and the version, which an error
+        names."""
         auth.allow(name)
         model = self.gateway.models.get(name)
         if model is None:
             raise UnknownModel(
                 f"unknown model {quoted(name)}; this gateway serves "
                 f"{', '.join(sorted(self.gateway.models))}",
-                field="model_name",
+                field=fields[0],
             )
         if version not in ("", VERSION):
             raise UnknownModel(
                 f"model {name!r} has no version {quoted(version)}; its only "
-                f"version is {VERSION} (or leave model_version empty)"
+                f"version is {VERSION} (or leave {fields[1]} empty)",
+                field=fields[1],
             )
         return model
 
     async def ready(self, name: str | None = None) -> bool:
         """Whether the batcher has a healthy engine for the model (or all)."""
+        healthy = await self.healthy()
+        wanted = [name] if name is not None else list(self.gateway.models)
+        return all(healthy.get(n, False) for n in wanted)
+
+    async def healthy(self) -> dict[str, bool]:
+        """Whether each model the batcher knows has a healthy engine; none
+        while the batcher is not connected or cannot be asked."""
         if not self.gateway.batcher.ready.is_set():
-            return False
+            return {}
         try:
             models = await self.gateway.batcher.models()
         except Exception:  # any failure to ask means not ready
-            return False
-        healthy = {m.name: m.healthy_engines > 0 for m in models.models}
-        wanted = [name] if name is not None else list(self.gateway.models)
-        return all(healthy.get(n, False) for n in wanted)
+            return {}
+        return {m.name: m.healthy_engines > 0 for m in models.models}
+
+    async def index(
+        self, request: pb.RepositoryIndexRequest
+    ) -> pb.RepositoryIndexResponse:
+        """The models the call's API key may use, each READY or UNAVAILABLE
+        (only the READY ones where ``ready`` is set); raises InvalidInput."""
+        if request.repository_name:
+            raise InvalidInput(
+                f"unknown repository {quoted(request.repository_name)}: berth "
+                "serves one model repository; leave repository_name empty",
+                field="repository_name",
+            )
+        healthy = await self.healthy()
+        index = pb.RepositoryIndexResponse()
+        for name in sorted(n for n in self.gateway.models if auth.allowed(n)):
+            if healthy.get(name, False):
+                index.models.add(name=name, version=VERSION, state="READY")
+            elif not request.ready:
+                reason = "no engine of the model is connected and healthy"
+                index.models.add(
+                    name=name, version=VERSION, state="UNAVAILABLE", reason=reason
+                )
+        return index
 
     async def infer(
         self,
@@ -175,8 +264,10 @@ class KServe:
                 response = shape_outputs(request, model, answer.outputs, call)
                 if answer.degraded:  # answered by the CPU fallback (level 3)
                     response.parameters["berth_degraded"].bool_param = True
-        except Exception:
+        except Exception as error:
             stats.failed(time.perf_counter_ns() - t0)
+            if isinstance(error, BerthError):  # named as KServe names it
+                error.field = field_of(request, error.field)
             raise
         measured = answer.measured
         stats.succeeded(len(texts), measured, t1 - t0, time.perf_counter_ns() - t1)
@@ -213,6 +304,10 @@ class KServe:
             platform="berth",
             backend=entry.backend,
             max_batch_size=0,
+            # Texts of concurrent requests are batched together (the
+            # batcher's flags set how); answers keep their requests' order.
+            dynamic_batching=pb.ModelDynamicBatching(preserve_ordering=True),
+            response_cache=pb.ModelResponseCache(enable=self.gateway.cache.enabled),
             input=[pb.ModelInput(name=TEXT, data_type=pb.TYPE_STRING, dims=[-1])],
             output=[
                 pb.ModelOutput(name=n, data_type=types[d], dims=s)
@@ -225,7 +320,7 @@ class KServe:
 
     def statistics(self, name: str, version: str) -> pb.ModelStatisticsResponse:
         if name:
-            names = [self.model(name, version).entry.name]
+            names = [self.model(name, version, MODEL_FIELDS).entry.name]
         else:
             names = [n for n in self.gateway.models if auth.allowed(n)]
         cached = self.gateway.cache.enabled
@@ -249,6 +344,7 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
         is INVALID_ARGUMENT, not UNKNOWN."""
         service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
         add_service(server, service, self, intake, STREAM_CAPTURES)
+        server.server.add_generic_rpc_handlers((UnservedMethods(),))
 
     async def ServerLive(
         self, request: pb.ServerLiveRequest, context: grpc.aio.ServicerContext
@@ -301,13 +397,19 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
     ) -> Model:
         """The model a request names; an unknown one ends the call NOT_FOUND."""
         async with AbortOnError(context):
-            return self.kserve.model(request.name, request.version)
+            return self.kserve.model(request.name, request.version, MODEL_FIELDS)
 
     async def ModelStatistics(
         self, request: pb.ModelStatisticsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelStatisticsResponse:
         async with AbortOnError(context):
             return self.kserve.statistics(request.name, request.version)
+
+    async def RepositoryIndex(
+        self, request: pb.RepositoryIndexRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RepositoryIndexResponse:
+        async with AbortOnError(context):
+            return await self.kserve.index(request)
 
     async def ModelInfer(
         self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext

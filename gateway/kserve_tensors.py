@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gateway.berth import packed_floats
-from gateway.echo import quoted
+from gateway.echo import quoted, shown
 from gateway.options import check_dimensions
 from gateway.pipeline import Model
 from services.errors import InvalidInput
@@ -70,38 +70,73 @@ def decode_texts(request: pb.ModelInferRequest) -> list[str]:
             names += f" and {len(request.inputs) - 8} more"
         raise InvalidInput(
             f"model {quoted(request.model_name)} takes exactly one input, "
-            f"{CONTRACT}; got inputs {names}"
+            f"{CONTRACT}; got inputs {names}",
+            field="inputs",
         )
     tensor = request.inputs[0]
     if tensor.datatype != "BYTES":
         raise InvalidInput(
-            f"input TEXT has datatype {quoted(tensor.datatype)}: use BYTES"
+            f"input TEXT has datatype {quoted(tensor.datatype)}: use BYTES",
+            field="inputs[0].datatype",
         )
     if len(tensor.shape) != 1:
         dims = ", ".join(map(str, tensor.shape[:8]))
         dims += ", ..." if len(tensor.shape) > 8 else ""
         raise InvalidInput(
-            f"input TEXT has shape [{dims}]: use [N], one text per element"
+            f"input TEXT has shape [{dims}]: use [N], one text per element",
+            field="inputs[0].shape",
         )
     n = tensor.shape[0]
     if request.raw_input_contents:
         if len(request.raw_input_contents) != 1 or tensor.HasField("contents"):
             raise InvalidInput(
                 "send TEXT either as one raw_input_contents entry or as "
-                "contents.bytes_contents, not both"
+                "contents.bytes_contents, not both",
+                field="raw_input_contents",
             )
         items = split_bytes(request.raw_input_contents[0])
     else:
         items = list(tensor.contents.bytes_contents)
     if len(items) != n:
-        raise InvalidInput(f"input TEXT has shape [{n}] but holds {len(items)} texts")
+        raise InvalidInput(
+            f"input TEXT has shape [{n}] but holds {len(items)} texts",
+            field="inputs[0].shape",
+        )
     texts = []
     for i, item in enumerate(items):
         try:
             texts.append(item.decode("utf-8"))
         except UnicodeDecodeError as exc:
-            raise InvalidInput(f"TEXT[{i}] is not UTF-8: {exc.reason}") from None
+            raise InvalidInput(
+                f"TEXT[{i}] is not UTF-8: {exc.reason}",
+                field=element_field(request, i),
+            ) from None
     return texts
+
+
+def element_field(request: pb.ModelInferRequest, i: int) -> str:
+    """The request field that holds TEXT's element i: its raw contents
+    (all elements in one entry) or its typed contents."""
+    if request.raw_input_contents:
+        return "raw_input_contents[0]"
+    return f"inputs[0].contents.bytes_contents[{i}]"
+
+
+def field_of(request: pb.ModelInferRequest, field: str | None) -> str | None:
+    """A field that berth's shared request path names (as berth.v1's request
+    has it: texts, texts[i], options.<name>, model) as it is in a
+    ModelInferRequest."""
+    if field is None:
+        return None
+    if field == "texts":
+        return "inputs[0]"
+    if field.startswith("texts[") and field.endswith("]"):
+        return element_field(request, int(field[len("texts[") : -1]))
+    if field.startswith("options."):
+        return "parameters." + field[len("options.") :]
+    if field == "model":
+        return "model_name"
+    return field
 
 
 def split_bytes(raw: bytes) -> list[bytes]:
@@ -111,14 +146,16 @@ def split_bytes(raw: bytes) -> list[bytes]:
     while offset < len(raw):
         if offset + 4 > len(raw):
             raise InvalidInput(
-                f"raw TEXT contents end inside a length prefix at byte {offset}"
+                f"raw TEXT contents end inside a length prefix at byte {offset}",
+                field="raw_input_contents[0]",
             )
         (size,) = struct.unpack_from("<I", raw, offset)
         offset += 4
         if offset + size > len(raw):
             raise InvalidInput(
                 f"raw TEXT element {len(items)} claims {size} bytes, only "
-                f"{len(raw) - offset} remain"
+                f"{len(raw) - offset} remain",
+                field="raw_input_contents[0]",
             )
         items.append(raw[offset : offset + size])
         offset += size
@@ -232,69 +269,102 @@ class Call:
 def parse_call(
     request: pb.ModelInferRequest, model: Model, timeout_s: float | None
 ) -> Call:
-    """Parameters and requested outputs of a request; raises InvalidInput."""
+    """Parameters and requested outputs of a request; raises InvalidInput
+    naming the field at fault (``parameters.<name>``, ``outputs[i]...``)."""
     options = berth_pb2.Options()
     binary = True
     for name, value in request.parameters.items():
-        if name == "truncate":
-            options.truncate = flag(name, value)
-        elif name == "normalize" and model.entry.task == "embed":
-            options.normalize = flag(name, value)
-        elif name == "dimensions" and model.entry.task == "embed":
-            options.dimensions = dimensions(model, value)
-        elif name == "prompt_name":
-            options.prompt_name = text(name, value)
-        elif name == "prompt":
-            options.prompt = text(name, value)
-        elif name == "binary_data_output":
-            binary = flag(name, value)
-        elif name == ENABLE_FINAL_RESPONSE:
-            if value.WhichOneof("parameter_choice") != "bool_param":
-                raise InvalidInput(
-                    f"invalid value type for {name!r} parameter, expected bool_param"
-                )
-        elif name == "timeout":  # tritonclient's, in microseconds
-            if value.WhichOneof("parameter_choice") != "int64_param":
-                raise InvalidInput("parameter 'timeout' must be int64 microseconds")
-            if value.int64_param > 0:  # 0 is Triton's "no timeout"
-                limit_s = value.int64_param / 1e6
-                timeout_s = limit_s if timeout_s is None else min(timeout_s, limit_s)
-        elif name not in IGNORED_PARAMETERS:
-            embed = ", normalize, dimensions" if model.entry.task == "embed" else ""
-            raise InvalidInput(
-                f"parameter {quoted(name)} is not understood by {model.entry.task} "
-                f"model {model.entry.name!r}; it takes truncate{embed}, "
-                "prompt_name, prompt, binary_data_output"
-            )
-    available = {o[0]: o for o in outputs_of(model)}
-    outputs, per_output, classes = [], set(), {}
-    for wanted in request.outputs:
-        if wanted.name not in available:
-            raise InvalidInput(
-                f"model {model.entry.name!r} has no output {quoted(wanted.name)}; "
-                f"its outputs are {', '.join(available)}"
-            )
-        output = available[wanted.name]
-        for key, value in wanted.parameters.items():
-            if key == "binary_data":
-                per_output.add(flag(key, value))
-            elif key == "classification":
-                classes[wanted.name] = class_count(wanted.name, output[1], value)
+        try:
+            if name == "binary_data_output":
+                binary = flag(name, value)
             else:
-                raise InvalidInput(
-                    f"output parameter {quoted(key)} is not supported; use "
-                    "binary_data or classification"
-                )
-        outputs.append(output)
+                timeout_s = parameter(name, value, model, options, timeout_s)
+        except InvalidInput as error:
+            error.field = error.field or f"parameters.{shown(name)}"
+            raise
+    outputs, per_output, classes = requested_outputs(request, model)
     if len(per_output) > 1:
         raise InvalidInput(
             "set binary_data the same on every requested output: raw and typed "
-            "outputs cannot be mixed in one response"
+            "outputs cannot be mixed in one response",
+            field="outputs",
         )
     binary = per_output.pop() if per_output else binary
-    return Call(
-        options, outputs or list(available.values()), binary, timeout_s, classes
-    )
+    return Call(options, outputs or outputs_of(model), binary, timeout_s, classes)
+
+
+def parameter(
+    name: str,
+    value: pb.InferParameter,
+    model: Model,
+    options: berth_pb2.Options,
+    timeout_s: float | None,
+) -> float | None:
+    """One request parameter set on ``options``; the call's timeout, which
+    ``timeout`` may shorten."""
+    if name == "truncate":
+        options.truncate = flag(name, value)
+    elif name == "normalize" and model.entry.task == "embed":
+        options.normalize = flag(name, value)
+    elif name == "dimensions" and model.entry.task == "embed":
+        options.dimensions = dimensions(model, value)
+    elif name == "prompt_name":
+        options.prompt_name = text(name, value)
+    elif name == "prompt":
+        options.prompt = text(name, value)
+    elif name == ENABLE_FINAL_RESPONSE:
+        if value.WhichOneof("parameter_choice") != "bool_param":
+            raise InvalidInput(
+                f"invalid value type for {name!r} parameter, expected bool_param"
+            )
+    elif name == "timeout":  # tritonclient's, in microseconds
+        if value.WhichOneof("parameter_choice") != "int64_param":
+            raise InvalidInput("parameter 'timeout' must be int64 microseconds")
+        if value.int64_param > 0:  # 0 is Triton's "no timeout"
+            limit_s = value.int64_param / 1e6
+            timeout_s = limit_s if timeout_s is None else min(timeout_s, limit_s)
+    elif name not in IGNORED_PARAMETERS:
+        embed = ", normalize, dimensions" if model.entry.task == "embed" else ""
+        raise InvalidInput(
+            f"parameter {quoted(name)} is not understood by {model.entry.task} "
+            f"model {model.entry.name!r}; it takes truncate{embed}, "
+            "prompt_name, prompt, binary_data_output"
+        )
+    return timeout_s
+
+
+def requested_outputs(
+    request: pb.ModelInferRequest, model: Model
+) -> tuple[list[tuple[str, str, list[int]]], set[bool], dict[str, int]]:
+    """The outputs a request names (none: all), the binary_data values they
+    set, and the k of each one's classification; raises InvalidInput."""
+    available = {o[0]: o for o in outputs_of(model)}
+    outputs, per_output, classes = [], set(), {}
+    for i, wanted in enumerate(request.outputs):
+        if wanted.name not in available:
+            raise InvalidInput(
+                f"model {model.entry.name!r} has no output {quoted(wanted.name)}; "
+                f"its outputs are {', '.join(available)}",
+                field=f"outputs[{i}].name",
+            )
+        output = available[wanted.name]
+        for key, value in wanted.parameters.items():
+            field = f"outputs[{i}].parameters.{shown(key)}"
+            try:
+                if key == "binary_data":
+                    per_output.add(flag(key, value))
+                elif key == "classification":
+                    classes[wanted.name] = class_count(wanted.name, output[1], value)
+                else:
+                    raise InvalidInput(
+                        f"output parameter {quoted(key)} is not supported; use "
+                        "binary_data or classification"
+                    )
+            except InvalidInput as error:
+                error.field = error.field or field
+                raise
+        outputs.append(output)
+    return outputs, per_output, classes
 
 
 def shape_outputs(
