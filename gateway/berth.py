@@ -313,6 +313,7 @@ class Berth:
                     name=m.entry.name,
                     task=m.entry.task,
                     dimension=m.dimension,
+                    max_dimensions=m.width,
                     labels=m.labels,
                     max_tokens=m.entry.max_tokens,
                     buckets=m.entry.buckets,

@@ -14,7 +14,8 @@ tritonclient reads), or typed contents when the request sets the parameter
 ``binary_data_output`` (or every requested output's ``binary_data``) to
 false. Request parameters ``truncate``, ``normalize``, ``prompt_name``,
 ``prompt`` and ``dimensions`` map onto berth's options of the same names;
-with ``dimensions`` D, EMBEDDING is [N, D] (ModelMetadata gives the full
+with ``dimensions`` D, EMBEDDING is [N, D] (ModelMetadata gives the width a
+call gets without it: the model's default, a truncate_dim, else the full
 width). Triton's reserved ``triton_enable_empty_final_response`` must be a
 bool_param; ModelStreamInfer answers it (gateway.kserve), ModelInfer
 ignores it.
@@ -251,7 +252,7 @@ def dimensions(model: Model, value: pb.InferParameter) -> int:
         raise InvalidInput(
             f"parameter 'dimensions' must be an integer, got {kind or 'nothing'}"
         )
-    check_dimensions(model.entry, model.dimension, n)
+    check_dimensions(model.entry, model.width, n)
     return n
 
 

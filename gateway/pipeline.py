@@ -124,7 +124,10 @@ class Model:
         self.entry = entry
         self.encoder = TextEncoder(entry, limits)
         self.labels = entry.label_names()
-        self.dimension = entry.output_width()
+        # An embedding's full width, and the width a call gets when its
+        # options ask for none (the entry's dimensions: a truncate_dim).
+        self.width = entry.output_width()
+        self.dimension = entry.dimensions or self.width
         self.prompts = Prompts(entry, self.encoder.tokenizer, self.encoder.max_chars)
         # A rerank model's activation on its scores (gateway.berth.activated).
         self.activation = (
@@ -146,14 +149,16 @@ class Model:
     def prompt(self, options: berth_pb2.Options) -> str:
         """The prompt a call's texts get, its options checked against the
         model (gateway.options); raises InvalidInput."""
-        check_dimensions(self.entry, self.dimension, options.dimensions)
+        check_dimensions(self.entry, self.width, options.dimensions)
         return self.prompts.of(options)
 
     def embeddings(self, vectors: np.ndarray, options: berth_pb2.Options) -> np.ndarray:
         """Embeddings as a call's options ask for them: the first
-        ``dimensions`` values of each (0: all), then normalized (as
-        :meth:`normalized`), as sentence-transformers' truncate_dim."""
-        return self.normalized(truncated(vectors, options.dimensions), options)
+        ``dimensions`` values of each (0: the entry's ``dimensions``, else
+        all), then normalized (as :meth:`normalized`), as
+        sentence-transformers' truncate_dim."""
+        dimensions = options.dimensions or self.dimension
+        return self.normalized(truncated(vectors, dimensions), options)
 
     def normalized(self, vectors: np.ndarray, options: berth_pb2.Options) -> np.ndarray:
         """Embeddings at unit length if the call's options ask for it (if

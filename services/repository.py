@@ -101,6 +101,9 @@ class ModelEntry:
     # The similarity function the checkpoint's authors name (cosine, dot,
     # euclidean, manhattan); kept in the entry, never applied by berth.
     similarity: str | None = None
+    # embed: the embedding's default width, its first values (sentence-
+    # transformers' truncate_dim); a call's options.dimensions wins.
+    dimensions: int | None = None
     # Whether the checkpoint's sentence-transformers configuration is read.
     sentence_transformers: bool = True
     # Filled in by load_repository, never written.
@@ -299,6 +302,8 @@ def _check_types(entry: ModelEntry, config_file: Path) -> None:
         value = getattr(entry, key)
         if value is not None and not isinstance(value, str):
             refuse(key, "a string or null")
+    if entry.dimensions is not None and not positive(entry.dimensions):
+        refuse("dimensions", "a positive integer or null")
     if not positive(entry.max_tokens) or entry.max_tokens > MAX_TOKENS_CAP:
         refuse("max_tokens", f"a positive integer, at most {MAX_TOKENS_CAP}")
     if not isinstance(entry.buckets, list) or not all(map(positive, entry.buckets)):
@@ -348,6 +353,7 @@ def load_entry(entry_dir: Path) -> ModelEntry:
     else:
         _apply_sentence_config(entry, set(data), config_file)
     _check_pipeline(entry, config_file)
+    _check_dimensions(entry, "dimensions" in data, config_file)
     if entry.task == "classify" and not entry.checkpoint_head:
         _check_classifier(entry, config_file)
     try:
@@ -451,6 +457,27 @@ def _check_pipeline(entry: ModelEntry, config_file: Path) -> None:
             width = layer.out_features
     except (OSError, ValueError) as exc:
         raise RepositoryError(f"{config_file}: dense: {exc}") from exc
+
+
+def _check_dimensions(entry: ModelEntry, written: bool, config_file: Path) -> None:
+    """An embed entry's default width, within its embeddings'. Another task's
+    is refused when berth.json writes it, and dropped when it is the
+    checkpoint's truncate_dim (it shapes embeddings, not a head's input)."""
+    if entry.dimensions is None:
+        return
+    if entry.task != "embed":
+        if written:
+            raise RepositoryError(
+                f"{config_file}: dimensions applies to embed models, not {entry.task}"
+            )
+        entry.dimensions = None
+        return
+    width = entry.output_width()
+    if entry.dimensions > width:
+        raise RepositoryError(
+            f"{config_file}: dimensions {entry.dimensions} is over the "
+            f"embedding's width, {width}"
+        )
 
 
 def _capped(buckets: list[int], max_tokens: int) -> list[int]:

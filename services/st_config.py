@@ -15,8 +15,9 @@ reads each module's own configuration:
 - Dense (``<path>/config.json`` and ``<path>/model.safetensors``): the layer's
   shape, bias and activation.
 - Normalize: embeddings at unit length.
-- ``config_sentence_transformers.json``: ``prompts``, ``default_prompt_name``
-  and ``similarity_fn_name``.
+- ``config_sentence_transformers.json``: ``prompts``, ``default_prompt_name``,
+  ``similarity_fn_name`` and ``truncate_dim`` (the embedding's default
+  width: its first ``truncate_dim`` values).
 
 Anything berth would serve differently from sentence-transformers (another
 module, a module in another place, a chat template, pickled Dense weights)
@@ -114,6 +115,7 @@ class SentenceConfig:
     prompts: dict[str, str] = field(default_factory=dict)
     default_prompt_name: str | None = None
     similarity: str | None = None
+    dimensions: int | None = None  # truncate_dim
 
     def entry_fields(self) -> dict[str, Any]:
         """The model entry's fields this configuration gives a value."""
@@ -129,6 +131,8 @@ class SentenceConfig:
         }
         if self.max_tokens is not None:
             fields["max_tokens"] = self.max_tokens
+        if self.dimensions is not None:
+            fields["dimensions"] = self.dimensions
         return fields
 
 
@@ -183,7 +187,9 @@ def read_sentence_config(checkpoint: Path) -> SentenceConfig | None:
             dense.append(str(layer.directory))
         else:
             _normalize(checkpoint / path)
-    prompts, default_prompt, similarity = _model_config(checkpoint / MODEL_CONFIG_FILE)
+    prompts, default_prompt, similarity, dimensions = _model_config(
+        checkpoint / MODEL_CONFIG_FILE
+    )
     return SentenceConfig(
         max_tokens=max_tokens,
         lowercase=lowercase,
@@ -194,6 +200,7 @@ def read_sentence_config(checkpoint: Path) -> SentenceConfig | None:
         prompts=prompts,
         default_prompt_name=default_prompt,
         similarity=similarity,
+        dimensions=dimensions,
     )
 
 
@@ -366,8 +373,10 @@ def _normalize(directory: Path) -> None:
             )
 
 
-def _model_config(path: Path) -> tuple[dict[str, str], str | None, str | None]:
-    """(prompts, default prompt name, similarity function name)."""
+def _model_config(
+    path: Path,
+) -> tuple[dict[str, str], str | None, str | None, int | None]:
+    """(prompts, default prompt name, similarity function name, truncate_dim)."""
     config = _object(path)
     kind = config.get("model_type", "SentenceTransformer")
     if kind != "SentenceTransformer":
@@ -391,7 +400,16 @@ def _model_config(path: Path) -> tuple[dict[str, str], str | None, str | None]:
         raise SentenceConfigError(
             f"{path}: similarity_fn_name {similarity!r}, not one of {SIMILARITIES}"
         )
-    return prompts, default, similarity
+    dimensions = config.get("truncate_dim")
+    if dimensions is not None and (
+        isinstance(dimensions, bool)
+        or not isinstance(dimensions, int)
+        or dimensions < 1
+    ):
+        raise SentenceConfigError(
+            f"{path}: truncate_dim {dimensions!r}, not a positive integer"
+        )
+    return prompts, default, similarity, dimensions
 
 
 def load_tokenizer(tokenizer_file: Path, lowercase: bool = False) -> Tokenizer:

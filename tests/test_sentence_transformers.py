@@ -223,7 +223,7 @@ def reference(entry: ModelEntry, texts: list[str]) -> np.ndarray:
 
 def served(entry: ModelEntry, backend: Any, texts: list[str]) -> np.ndarray:
     """The gateway's tokens (truncated) through ``backend``, and the
-    gateway's normalization as the entry's default."""
+    gateway's dimensions and normalization as the entry's defaults."""
     model = Model(entry, Limits())
     ids = model.encoder.encode(texts, truncate=True)
     lengths = np.array([len(row) for row in ids], np.int32)
@@ -231,7 +231,7 @@ def served(entry: ModelEntry, backend: Any, texts: list[str]) -> np.ndarray:
     for i, row in enumerate(ids):
         batch[i, : len(row)] = row
     out = backend.run(entry.name, batch, lengths)
-    return np.asarray(model.normalized(out, berth_pb2.Options()), np.float64)
+    return np.asarray(model.embeddings(out, berth_pb2.Options()), np.float64)
 
 
 def agreement(ours: np.ndarray, theirs: np.ndarray) -> tuple[float, float]:

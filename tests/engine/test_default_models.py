@@ -19,11 +19,21 @@ from tokenizers import Tokenizer
 
 from engine.backend import BackendError, create_backend
 from engine.torch_backend import TorchBackend
+from gateway.pipeline import Model
+from gateway.tokenize import Limits
 from services.cli.default_models import (
     build_default_repository,
     intent_models_dir,
 )
+from services.errors import InvalidInput
 from services.repository import ModelEntry, load_repository
+from tests.test_sentence_transformers import (
+    COSINE,
+    agreement,
+    reference,
+    served,
+    text_of,
+)
 
 _PARAGRAPH = (
     "berth serves transformer encoders over gRPC, batching requests by length "
@@ -181,6 +191,29 @@ def test_minilm_matches_sentence_transformers(
     theirs = sentence_transformer.encode(TEXTS, convert_to_numpy=True)
     cosines = (ours * unit(theirs.astype(np.float64))).sum(axis=1)
     assert cosines.min() >= 0.9999, dict(zip(TEXTS, cosines, strict=True))
+
+
+def test_minilm_at_its_max_seq_length_matches_sentence_transformers(
+    backend: TorchBackend, entries: dict[str, ModelEntry]
+) -> None:
+    """Texts of 5 to 500 tokens through the gateway's TextEncoder and the
+    torch backend: over 256 tokens refused, unless truncated, and then what
+    sentence-transformers gives, which cuts at its max_seq_length, 256."""
+    entry = entries["minilm"]
+    sizes = [5, 10, 30, 64, 128, 200, 255, 256, 257, 300, 400, 500]
+    texts = [text_of(n, entry) for n in sizes]
+    encoder = Model(entry, Limits()).encoder
+    counts = [len(row) for row in encoder.encode(texts, truncate=True)]
+    assert counts[0] <= 10 and counts[-5:] == [256] * 5, counts
+    over = [t for t in texts if len(entry.tokenizer().encode(t).ids) > 256]
+    assert len(over) >= 4
+    for text in over:
+        with pytest.raises(InvalidInput, match="over the limit of 256"):
+            encoder.encode([text], truncate=False)
+    ours = served(entry, backend, texts)
+    cosine, length = agreement(ours, reference(entry, texts))
+    print(f"minilm on torch, {sizes} tokens: 1 - least cosine {1 - cosine:.1e}")
+    assert cosine >= COSINE and length <= 1e-4, (cosine, length)
 
 
 def test_minilm_alone_equals_in_a_padded_batch(
