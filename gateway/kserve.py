@@ -19,6 +19,7 @@ from importlib import metadata
 import grpc
 
 from gateway import auth, metrics
+from gateway.berth import check_pair_options
 from gateway.calls import (
     STREAM_WINDOW,
     AbortOnError,
@@ -30,11 +31,13 @@ from gateway.echo import quoted
 from gateway.intake import Intake, add_service
 from gateway.kserve_tensors import (
     FINAL_RESPONSE,
+    QUERY,
     TEXT,
     VERSION,
-    decode_texts,
+    decode_inputs,
     field_of,
     final_response_wanted,
+    inputs_of,
     outputs_of,
     parse_call,
     shape_outputs,
@@ -253,12 +256,16 @@ class KServe:
         t0 = time.perf_counter_ns()
         try:
             with self.gateway.admission:
-                texts = decode_texts(request)
+                inputs = decode_inputs(request, model)
+                texts = inputs[TEXT]
                 metrics.TEXTS.labels(model.entry.name).inc(len(texts))
                 call = parse_call(request, model, timeout_s)
+                query = inputs[QUERY][0] if QUERY in inputs else None
+                if query is not None:
+                    check_pair_options(model.entry.name, call.options)
                 timings = berth_pb2.Timings()
                 answer = await self.gateway.run(
-                    model, texts, call.options, call.timeout_s, timings, tenant
+                    model, texts, call.options, call.timeout_s, timings, tenant, query
                 )
                 t1 = time.perf_counter_ns()
                 response = shape_outputs(request, model, answer.outputs, call)
@@ -279,7 +286,9 @@ class KServe:
             name=model.entry.name,
             versions=[VERSION],
             platform="berth",
-            inputs=[meta(name=TEXT, datatype="BYTES", shape=[-1])],
+            inputs=[
+                meta(name=n, datatype="BYTES", shape=s) for n, s in inputs_of(model)
+            ],
             outputs=[
                 meta(name=n, datatype=d, shape=s) for n, d, s in outputs_of(model)
             ],
@@ -308,7 +317,10 @@ class KServe:
             # batcher's flags set how); answers keep their requests' order.
             dynamic_batching=pb.ModelDynamicBatching(preserve_ordering=True),
             response_cache=pb.ModelResponseCache(enable=self.gateway.cache.enabled),
-            input=[pb.ModelInput(name=TEXT, data_type=pb.TYPE_STRING, dims=[-1])],
+            input=[
+                pb.ModelInput(name=n, data_type=pb.TYPE_STRING, dims=s)
+                for n, s in inputs_of(model)
+            ],
             output=[
                 pb.ModelOutput(name=n, data_type=types[d], dims=s)
                 for n, d, s in outputs_of(model)

@@ -6,7 +6,11 @@ tensor contract:
 - input ``TEXT``: BYTES, shape [N], one UTF-8 text per element;
 - embed models output ``EMBEDDING``: FP32 [N, D];
 - classify models output ``PROBABILITIES``: FP32 [N, C] and ``LABEL``:
-  BYTES [N], the best label per text.
+  BYTES [N], the best label per text;
+- rerank models take a second input, ``QUERY``: BYTES [1], and output
+  ``SCORE``: FP32 [N], each text's score against the query in the texts'
+  order (the request parameter ``raw_scores`` leaves out the model's
+  activation, as berth.v1's Rerank does).
 
 Inputs may come as ``raw_input_contents`` or typed ``bytes_contents``.
 Outputs go out as ``raw_output_contents`` (what Triton does and what
@@ -33,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gateway.berth import packed_floats
+from gateway.berth import activated, packed_floats
 from gateway.echo import quoted, shown
 from gateway.options import check_dimensions
 from gateway.pipeline import Model
@@ -43,6 +47,7 @@ from services.proto.inference import grpc_service_pb2 as pb
 
 VERSION = "1"  # every berth model has exactly one version
 TEXT, EMBEDDING, PROBABILITIES, LABEL = "TEXT", "EMBEDDING", "PROBABILITIES", "LABEL"
+QUERY, SCORE = "QUERY", "SCORE"  # a rerank model's
 # Request parameters tritonclient may set that change nothing here.
 IGNORED_PARAMETERS = {"priority"}
 # Triton's reserved request parameter (bool_param) asking ModelStreamInfer to
@@ -51,7 +56,11 @@ IGNORED_PARAMETERS = {"priority"}
 # request, unary ones included, where Triton checks its type and ignores it.
 ENABLE_FINAL_RESPONSE = "triton_enable_empty_final_response"
 FINAL_RESPONSE = "triton_final_response"
-CONTRACT = "TEXT (BYTES, shape [N], one text per element)"
+CONTRACT = "exactly one input, TEXT (BYTES, shape [N], one text per element)"
+PAIR_CONTRACT = (
+    "two inputs, QUERY (BYTES, shape [1], the query) and TEXT (BYTES, shape "
+    "[N], one text per element)"
+)
 # InferTensorContents.fp32_contents: its field number.
 FP32_CONTENTS = pb.InferTensorContents.DESCRIPTOR.fields_by_name["fp32_contents"].number
 
@@ -60,48 +69,75 @@ def outputs_of(model: Model) -> list[tuple[str, str, list[int]]]:
     """(name, datatype, shape) of each output; -1 is the number of texts."""
     if model.entry.task == "embed":
         return [(EMBEDDING, "FP32", [-1, model.dimension])]
+    if model.entry.task == "rerank":
+        return [(SCORE, "FP32", [-1])]
     return [(PROBABILITIES, "FP32", [-1, len(model.labels)]), (LABEL, "BYTES", [-1])]
 
 
-def decode_texts(request: pb.ModelInferRequest) -> list[str]:
-    """The texts of the TEXT input, raw or typed; raises InvalidInput."""
-    if len(request.inputs) != 1 or request.inputs[0].name != TEXT:
-        names = ", ".join(quoted(i.name) for i in request.inputs[:8]) or "none"
-        if len(request.inputs) > 8:
-            names += f" and {len(request.inputs) - 8} more"
+def inputs_of(model: Model) -> list[tuple[str, list[int]]]:
+    """(name, shape) of each BYTES input; -1 is the number of texts."""
+    if model.entry.task == "rerank":
+        return [(QUERY, [1]), (TEXT, [-1])]
+    return [(TEXT, [-1])]
+
+
+def decode_inputs(request: pb.ModelInferRequest, model: Model) -> dict[str, list[str]]:
+    """Each input's texts by name, raw or typed; raises InvalidInput."""
+    wanted = [name for name, _ in inputs_of(model)]
+    names = [i.name for i in request.inputs]
+    if sorted(names) != sorted(wanted):
+        shown_names = ", ".join(quoted(n) for n in names[:8]) or "none"
+        if len(names) > 8:
+            shown_names += f" and {len(names) - 8} more"
+        contract = CONTRACT if wanted == [TEXT] else PAIR_CONTRACT
         raise InvalidInput(
-            f"model {quoted(request.model_name)} takes exactly one input, "
-            f"{CONTRACT}; got inputs {names}",
+            f"model {quoted(request.model_name)} takes {contract}; got inputs "
+            f"{shown_names}",
             field="inputs",
         )
-    tensor = request.inputs[0]
+    if request.raw_input_contents and (
+        len(request.raw_input_contents) != len(request.inputs)
+        or any(tensor.HasField("contents") for tensor in request.inputs)
+    ):
+        raise InvalidInput(
+            "send every input either as raw_input_contents (one entry per "
+            "input) or as contents.bytes_contents, not both",
+            field="raw_input_contents",
+        )
+    decoded = {t.name: _decode(request, i) for i, t in enumerate(request.inputs)}
+    if QUERY in decoded and len(decoded[QUERY]) != 1:
+        raise InvalidInput(
+            f"input QUERY holds {len(decoded[QUERY])} texts: send one query",
+            field=f"inputs[{names.index(QUERY)}].shape",
+        )
+    return decoded
+
+
+def _decode(request: pb.ModelInferRequest, index: int) -> list[str]:
+    """The texts of input ``index``, raw or typed."""
+    tensor = request.inputs[index]
+    name = tensor.name
     if tensor.datatype != "BYTES":
         raise InvalidInput(
-            f"input TEXT has datatype {quoted(tensor.datatype)}: use BYTES",
-            field="inputs[0].datatype",
+            f"input {name} has datatype {quoted(tensor.datatype)}: use BYTES",
+            field=f"inputs[{index}].datatype",
         )
     if len(tensor.shape) != 1:
         dims = ", ".join(map(str, tensor.shape[:8]))
         dims += ", ..." if len(tensor.shape) > 8 else ""
         raise InvalidInput(
-            f"input TEXT has shape [{dims}]: use [N], one text per element",
-            field="inputs[0].shape",
+            f"input {name} has shape [{dims}]: use [N], one text per element",
+            field=f"inputs[{index}].shape",
         )
     n = tensor.shape[0]
     if request.raw_input_contents:
-        if len(request.raw_input_contents) != 1 or tensor.HasField("contents"):
-            raise InvalidInput(
-                "send TEXT either as one raw_input_contents entry or as "
-                "contents.bytes_contents, not both",
-                field="raw_input_contents",
-            )
-        items = split_bytes(request.raw_input_contents[0])
+        items = split_bytes(request.raw_input_contents[index], name, index)
     else:
         items = list(tensor.contents.bytes_contents)
     if len(items) != n:
         raise InvalidInput(
-            f"input TEXT has shape [{n}] but holds {len(items)} texts",
-            field="inputs[0].shape",
+            f"input {name} has shape [{n}] but holds {len(items)} texts",
+            field=f"inputs[{index}].shape",
         )
     texts = []
     for i, item in enumerate(items):
@@ -109,18 +145,18 @@ def decode_texts(request: pb.ModelInferRequest) -> list[str]:
             texts.append(item.decode("utf-8"))
         except UnicodeDecodeError as exc:
             raise InvalidInput(
-                f"TEXT[{i}] is not UTF-8: {exc.reason}",
-                field=element_field(request, i),
+                f"{name}[{i}] is not UTF-8: {exc.reason}",
+                field=element_field(request, index, i),
             ) from None
     return texts
 
 
-def element_field(request: pb.ModelInferRequest, i: int) -> str:
-    """The request field that holds TEXT's element i: its raw contents
-    (all elements in one entry) or its typed contents."""
+def element_field(request: pb.ModelInferRequest, index: int, i: int) -> str:
+    """The request field that holds element i of input ``index``: its raw
+    contents (all elements in one entry) or its typed contents."""
     if request.raw_input_contents:
-        return "raw_input_contents[0]"
-    return f"inputs[0].contents.bytes_contents[{i}]"
+        return f"raw_input_contents[{index}]"
+    return f"inputs[{index}].contents.bytes_contents[{i}]"
 
 
 def field_of(request: pb.ModelInferRequest, field: str | None) -> str | None:
@@ -129,10 +165,14 @@ def field_of(request: pb.ModelInferRequest, field: str | None) -> str | None:
     ModelInferRequest."""
     if field is None:
         return None
+    names = [tensor.name for tensor in request.inputs]
+    texts = names.index(TEXT) if TEXT in names else 0
     if field == "texts":
-        return "inputs[0]"
+        return f"inputs[{texts}]"
     if field.startswith("texts[") and field.endswith("]"):
-        return element_field(request, int(field[len("texts[") : -1]))
+        return element_field(request, texts, int(field[len("texts[") : -1]))
+    if field == "query" and QUERY in names:
+        return element_field(request, names.index(QUERY), 0)
     if field.startswith("options."):
         return "parameters." + field[len("options.") :]
     if field == "model":
@@ -140,23 +180,24 @@ def field_of(request: pb.ModelInferRequest, field: str | None) -> str | None:
     return field
 
 
-def split_bytes(raw: bytes) -> list[bytes]:
-    """A raw BYTES tensor: each element a 4-byte little-endian length, then it."""
+def split_bytes(raw: bytes, name: str = TEXT, index: int = 0) -> list[bytes]:
+    """A raw BYTES tensor (input ``name``, raw_input_contents[index]): each
+    element a 4-byte little-endian length, then it."""
     items: list[bytes] = []
     offset = 0
     while offset < len(raw):
         if offset + 4 > len(raw):
             raise InvalidInput(
-                f"raw TEXT contents end inside a length prefix at byte {offset}",
-                field="raw_input_contents[0]",
+                f"raw {name} contents end inside a length prefix at byte {offset}",
+                field=f"raw_input_contents[{index}]",
             )
         (size,) = struct.unpack_from("<I", raw, offset)
         offset += 4
         if offset + size > len(raw):
             raise InvalidInput(
-                f"raw TEXT element {len(items)} claims {size} bytes, only "
+                f"raw {name} element {len(items)} claims {size} bytes, only "
                 f"{len(raw) - offset} remain",
-                field="raw_input_contents[0]",
+                field=f"raw_input_contents[{index}]",
             )
         items.append(raw[offset : offset + size])
         offset += size
@@ -265,6 +306,7 @@ class Call:
     binary: bool
     timeout_s: float | None
     classes: dict[str, int]  # output name -> k of its top-k classification
+    raw_scores: bool = False  # a rerank model's SCORE without its activation
 
 
 def parse_call(
@@ -273,11 +315,13 @@ def parse_call(
     """Parameters and requested outputs of a request; raises InvalidInput
     naming the field at fault (``parameters.<name>``, ``outputs[i]...``)."""
     options = berth_pb2.Options()
-    binary = True
+    binary, raw_scores = True, False
     for name, value in request.parameters.items():
         try:
             if name == "binary_data_output":
                 binary = flag(name, value)
+            elif name == "raw_scores" and model.entry.task == "rerank":
+                raw_scores = flag(name, value)
             else:
                 timeout_s = parameter(name, value, model, options, timeout_s)
         except InvalidInput as error:
@@ -291,7 +335,8 @@ def parse_call(
             field="outputs",
         )
     binary = per_output.pop() if per_output else binary
-    return Call(options, outputs or outputs_of(model), binary, timeout_s, classes)
+    outputs = outputs or outputs_of(model)
+    return Call(options, outputs, binary, timeout_s, classes, raw_scores)
 
 
 def parameter(
@@ -325,11 +370,14 @@ def parameter(
             limit_s = value.int64_param / 1e6
             timeout_s = limit_s if timeout_s is None else min(timeout_s, limit_s)
     elif name not in IGNORED_PARAMETERS:
-        embed = ", normalize, dimensions" if model.entry.task == "embed" else ""
+        takes = {
+            "embed": "truncate, normalize, dimensions, prompt_name, prompt",
+            "classify": "truncate, prompt_name, prompt",
+            "rerank": "truncate, raw_scores",
+        }[model.entry.task]
         raise InvalidInput(
             f"parameter {quoted(name)} is not understood by {model.entry.task} "
-            f"model {model.entry.name!r}; it takes truncate{embed}, "
-            "prompt_name, prompt, binary_data_output"
+            f"model {model.entry.name!r}; it takes {takes}, binary_data_output"
         )
     return timeout_s
 
@@ -354,6 +402,11 @@ def requested_outputs(
             try:
                 if key == "binary_data":
                     per_output.add(flag(key, value))
+                elif key == "classification" and wanted.name == SCORE:
+                    raise InvalidInput(
+                        f"output {wanted.name!r} holds one score per text: no "
+                        "classes to rank (set sort in berth.v1's Rerank instead)"
+                    )
                 elif key == "classification":
                     classes[wanted.name] = class_count(wanted.name, output[1], value)
                 else:
@@ -381,7 +434,13 @@ def shape_outputs(
             labels = [model.labels[i].encode() for i in np.argmax(rows, axis=1)]
             add_bytes(response, name, [n], labels, call.binary)
             continue
-        values = model.embeddings(rows, call.options) if name == EMBEDDING else rows
+        if name == EMBEDDING:
+            values = model.embeddings(rows, call.options)
+        elif name == SCORE:  # [N]: one per text, the model's activation applied
+            scores = rows[:, 0]
+            values = scores if call.raw_scores else activated(scores, model.activation)
+        else:
+            values = rows
         values = np.ascontiguousarray(values, dtype="<f4")
         if name in call.classes:  # ranks the FP32 values the output would carry
             k = min(call.classes[name], values.shape[1])

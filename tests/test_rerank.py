@@ -17,6 +17,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -379,3 +380,83 @@ def test_the_fallback_splits_a_pair_at_its_first_separator(built: Path) -> None:
     moved = [cls, *query, sep, *(t + 30522 for t in text), sep + 30522]
     got_query, got_text = offset.split(np.array(moved, np.int32))
     assert list(got_query) == query and list(got_text) == text
+
+
+def test_kserve_serves_a_rerank_model_with_two_inputs(tmp_path: Path) -> None:
+    """KServe v2: QUERY [1] and TEXT [N] in, SCORE [N] out, as Rerank
+    scores; metadata and config say so; a call without QUERY, or with an
+    option a rerank model does not take, is refused naming the field."""
+    import tritonclient.grpc as triton
+    from google.rpc import error_details_pb2, status_pb2
+
+    checkpoint = tmp_path / "ranker"
+    write_cross_encoder(checkpoint, "bert")
+    theirs = cross_encoder_scores(checkpoint, QUERY, TEXTS)
+    env = {"BERTH_CACHE_DIR": str(tmp_path / "cache")}
+    stack = Stack(tmp_path / "repo", env=env, extra_args=["--model", f"r={checkpoint}"])
+
+    def tensors(query: list[str] | None) -> list[Any]:
+        text = triton.InferInput("TEXT", [len(TEXTS)], "BYTES")
+        text.set_data_from_numpy(np.array([t.encode() for t in TEXTS], object))
+        if query is None:
+            return [text]
+        asked = triton.InferInput("QUERY", [len(query)], "BYTES")
+        asked.set_data_from_numpy(np.array([q.encode() for q in query], object))
+        return [asked, text]
+
+    with serving(stack):
+        client = triton.InferenceServerClient(stack.gateway)
+        metadata = client.get_model_metadata("r")
+        shapes = {t.name: [int(d) for d in t.shape] for t in metadata.inputs}
+        assert shapes == {"QUERY": [1], "TEXT": [-1]}
+        assert [(t.name, list(t.shape)) for t in metadata.outputs] == [("SCORE", [-1])]
+        config = client.get_model_config("r").config
+        assert config.parameters["task"].string_value == "rerank"
+        assert [i.name for i in config.input] == ["QUERY", "TEXT"]
+        scores = client.infer("r", tensors([QUERY])).as_numpy("SCORE")
+        assert scores.shape == (len(TEXTS),)
+        assert np.abs(scores - theirs).max() <= SCORE_TOLERANCE
+        raw = client.infer(
+            "r", tensors([QUERY]), parameters={"raw_scores": True}
+        ).as_numpy("SCORE")
+        np.testing.assert_allclose(1 / (1 + np.exp(-raw)), scores, atol=1e-6)
+        refusals = [
+            (tensors(None), {}, "takes two inputs, QUERY (BYTES, shape [1]"),
+            (tensors([QUERY, QUERY]), {}, "input QUERY holds 2 texts"),
+            (tensors([QUERY]), {"prompt_name": "query"}, "options.prompt_name"),
+            (tensors([QUERY]), {"dimensions": 4}, "it takes truncate, raw_scores"),
+        ]
+        for inputs, parameters, words in refusals:
+            with pytest.raises(triton.InferenceServerException) as refused:
+                client.infer("r", inputs, parameters=parameters)
+            assert "INVALID_ARGUMENT" in str(refused.value.status())
+            assert words in str(refused.value.message())
+        client.close()
+        with grpc.insecure_channel(stack.gateway) as channel:
+            # tritonclient's stubs: berth's own register the same proto names.
+            from tritonclient.grpc import service_pb2 as pb
+            from tritonclient.grpc import service_pb2_grpc as pb_grpc
+
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            for query, field in ((None, "inputs"), ([QUERY, QUERY], "inputs[0].shape")):
+                request = pb.ModelInferRequest(model_name="r")
+                for name, values in (("QUERY", query), ("TEXT", TEXTS)):
+                    if values is None:
+                        continue
+                    tensor = request.inputs.add(
+                        name=name, datatype="BYTES", shape=[len(values)]
+                    )
+                    tensor.contents.bytes_contents.extend(v.encode() for v in values)
+                with pytest.raises(grpc.RpcError) as refused:
+                    stub.ModelInfer(request, timeout=60)
+                trailer = dict(refused.value.trailing_metadata() or ())
+                status = status_pb2.Status.FromString(
+                    trailer["grpc-status-details-bin"]
+                )
+                fields = []
+                for detail in status.details:
+                    if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+                        bad = error_details_pb2.BadRequest()
+                        detail.Unpack(bad)
+                        fields += [v.field for v in bad.field_violations]
+                assert fields == [field], (query, fields)
