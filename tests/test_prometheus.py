@@ -374,13 +374,22 @@ def drive_traffic(stack: Stack) -> None:
             os.kill(engine, signal.SIGUSR1)
 
         def answered_by_engine() -> bool:
-            reply = berth.Embed(
-                berth_pb2.EmbedRequest(model="minilm", texts=[f"back {time.time()}"]),
-                timeout=20,
-            )
-            return not reply.degraded
+            """20 calls in a row from the engine: one answer alone can be the
+            circuit breaker's half-open probe, with the circuit (and the
+            other gateway's view of it) still open for the rest."""
+            for n in range(20):
+                reply = berth.Embed(
+                    berth_pb2.EmbedRequest(
+                        model="minilm", texts=[f"back {time.time()} {n}"]
+                    ),
+                    timeout=20,
+                )
+                if reply.degraded:
+                    return False
+            return True
 
-        wait_until(answered_by_engine, "the engine answering again", 60, 0.5)
+        wait_until(answered_by_engine, "the engine answering again", 90, 0.5)
+        time.sleep(1.5)  # every gateway reads the circuits each second
     load = run_load_while(stack.gateway, 200, 8)
     assert load.ok_ratio == 1.0 and load.degraded == 0, load.summary("recovered")
 
