@@ -13,7 +13,7 @@ TORCH_CPU ?= torch==2.13.0
 # too (--build-constraint: the grpcio-tools that generates the stubs).
 PINNED := -c constraints.txt --build-constraint constraints.txt
 
-.PHONY: run test lint venv models bench mutations constraints clean prometheus netns-tools
+.PHONY: run test lint venv models bench mutations constraints floors clean prometheus netns-tools
 
 venv: $(VENV)/.installed
 
@@ -89,6 +89,11 @@ netns-tools:
 
 test: venv models lint prometheus netns-tools
 	HF_HUB_OFFLINE=1 BERTH_MODEL_REPOSITORY=$(abspath $(REPO)) $(PY) -m pytest -q
+
+# The serving tests with every runtime dependency at exactly its floor in
+# pyproject.toml, in a venv of their own (build/floors-venv; torch: TORCH_CPU).
+floors: venv
+	$(PY) scripts/floors.py $(TORCH_CPU)
 
 # Break one behaviour at a time (tests/mutations.toml); each must fail its tests.
 mutations: venv models
