@@ -20,7 +20,7 @@ the same pairs for both sides).
   (throughput).
 
 The sides are measured in turn, --rounds times, baseline first, the stack
-kept running throughout; a side's figures are the mean over the rounds.
+kept running throughout; a side's figures are the median of its rounds.
 Ratios are berth's over the baseline's. berth's scores are checked against
 the baseline's on every pair (max |difference| is reported).
 """
@@ -139,8 +139,8 @@ def _percentiles(latencies: list[float]) -> dict[str, float]:
     }
 
 
-def mean_of(rounds: list[dict[str, Any]], key: str) -> float:
-    return statistics.fmean(r[key] for r in rounds)
+def median_of(rounds: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(r[key] for r in rounds)
 
 
 def main() -> None:
@@ -205,15 +205,15 @@ def report(
         for r_ours, r_theirs in zip(ours, theirs, strict=True)
         for a, b in zip(r_ours["scores"], r_theirs["scores"], strict=True)
     )
-    base = mean_of(theirs, "pairs_per_s")
+    base = median_of(theirs, "pairs_per_s")
     rows = [
-        ("CrossEncoder.predict (baseline)", base, mean_of(theirs, "p50_ms"),
-         mean_of(theirs, "p90_ms")),
-        ("berth Rerank, 1 in flight", mean_of(ours, "pairs_per_s"),
-         mean_of(ours, "p50_ms"), mean_of(ours, "p90_ms")),
+        ("CrossEncoder.predict (baseline)", base, median_of(theirs, "p50_ms"),
+         median_of(theirs, "p90_ms")),
+        ("berth Rerank, 1 in flight", median_of(ours, "pairs_per_s"),
+         median_of(ours, "p50_ms"), median_of(ours, "p90_ms")),
         (f"berth Rerank, {args.concurrency} in flight",
-         mean_of(ours, "pairs_per_s_loaded"), mean_of(ours, "p50_ms_loaded"),
-         mean_of(ours, "p90_ms_loaded")),
+         median_of(ours, "pairs_per_s_loaded"), median_of(ours, "p50_ms_loaded"),
+         median_of(ours, "p90_ms_loaded")),
     ]  # fmt: skip
     shape = f"{args.queries} calls of 1 query x {args.passages} texts"
     print(f"\n{shape}, {args.rounds} rounds")
