@@ -199,7 +199,13 @@ def test_a_stack_on_every_interface_keeps_its_hops_on_loopback_under_mutual_tls(
             internal_port = int(address.rsplit(":", 1)[1])
             assert listening(internal_port) == {"127.0.0.1"}, address
             assert health(address) == "UNREACHABLE"  # plaintext
-            assert health(address, credentials=good) == "SERVING", address
+            # The gateway's answer shows a way to the engines, not that each
+            # internal service has turned SERVING yet: a bounded wait.
+            wait_until(
+                lambda: health(address, credentials=good) == "SERVING",  # noqa: B023
+                f"{address} SERVING over mutual TLS",
+                60,
+            )
     finally:
         code = stack.stop()
     assert code == 0, stack.logs()
