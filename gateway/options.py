@@ -65,18 +65,20 @@ class Prompts:
             if name:
                 raise InvalidInput(
                     "set prompt_name or prompt, not both: prompt_name picks one "
-                    "of the model's prompts, prompt gives the text of one"
+                    "of the model's prompts, prompt gives the text of one",
+                    field="options.prompt",
                 )
             prompt = options.prompt
             if len(prompt) > self.max_chars:
                 raise InvalidInput(
                     f"prompt has {len(prompt)} characters, over the limit of "
-                    f"{self.max_chars} for model {self.model!r}"
+                    f"{self.max_chars} for model {self.model!r}",
+                    field="options.prompt",
                 )
             length = None
         elif name:
             if name not in self.named:
-                raise InvalidInput(self._unknown(name))
+                raise InvalidInput(self._unknown(name), field="options.prompt_name")
             prompt, length = self.named[name], self._lengths.get(name)
         else:
             return self.default
@@ -85,7 +87,8 @@ class Prompts:
         if length is None:
             length = self.length(prompt)
         if length != self.skip:
-            raise InvalidInput(self._not_poolable(name, prompt, length))
+            where = "options.prompt_name" if name else "options.prompt"
+            raise InvalidInput(self._not_poolable(name, prompt, length), field=where)
         return prompt
 
     def _unknown(self, name: str) -> str:
@@ -120,13 +123,15 @@ def check_dimensions(entry: ModelEntry, width: int, dimensions: int) -> None:
         raise InvalidInput(
             f"dimensions {dimensions} asks for a shorter embedding, and model "
             f"{entry.name!r} is a {entry.task} model, which answers "
-            "probabilities: leave dimensions unset (0)"
+            "probabilities: leave dimensions unset (0)",
+            field="options.dimensions",
         )
     if not 1 <= dimensions <= width:
         raise InvalidInput(
             f"dimensions {dimensions} is out of range for model {entry.name!r}, "
             f"whose embeddings have {width} values: ask for 1 to {width}, or 0 "
-            "(unset) for all of them"
+            "(unset) for all of them",
+            field="options.dimensions",
         )
 
 

@@ -65,8 +65,33 @@ def details_of(exc: grpc.RpcError) -> dict[str, object]:
             "UNKNOWN_MODEL",
             "model",
         ),
+        (
+            berth_pb2.EmbedRequest(
+                model="minilm",
+                texts=["hi"],
+                options=berth_pb2.Options(prompt_name="query"),
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "INVALID_INPUT",
+            "options.prompt_name",
+        ),
+        (
+            berth_pb2.EmbedRequest(
+                model="minilm", texts=["hi"], options=berth_pb2.Options(dimensions=999)
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "INVALID_INPUT",
+            "options.dimensions",
+        ),
     ],
-    ids=["empty-text", "too-long", "no-texts", "unknown-model"],
+    ids=[
+        "empty-text",
+        "too-long",
+        "no-texts",
+        "unknown-model",
+        "unknown-prompt",
+        "too-wide",
+    ],
 )
 def test_a_refused_call_carries_its_reason_and_field(
     client: berth_pb2_grpc.BerthStub,
