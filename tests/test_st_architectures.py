@@ -32,6 +32,7 @@ import tritonclient.grpc as triton
 from services.cli.default_models import minilm_checkpoint
 from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
 from services.repository import ModelEntry, RepositoryError, load_repository
+from tests.engine.test_checkpoint_classifiers import encoder_config
 from tests.stack import Stack, serving
 from tests.test_sentence_transformers import (
     COSINE,
@@ -45,8 +46,6 @@ from tests.test_sentence_transformers import (
     served,
 )
 
-VOCAB = 30522  # MiniLM's WordPiece vocabulary; [CLS] 101, [SEP] 102, [PAD] 0
-SMALL = {"hidden_size": 32, "num_attention_heads": 4, "intermediate_size": 48}
 TRUNCATE_DIM = 40  # inside the second of modernbert-several's three modes
 # name -> (architecture, sentence-transformers model; see save_model).
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -71,47 +70,13 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def _config(arch: str) -> Any:
-    """A tiny ``arch`` configuration (64 positions) for MiniLM's tokenizer:
-    ModernBERT's special ids are its [CLS] and [SEP]; RoBERTa's pad id, 1
-    ([unused0]), never occurs in a text."""
-    import transformers as tf
-
-    if arch == "distilbert":
-        return tf.DistilBertConfig(
-            vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, hidden_dim=48,
-            max_position_embeddings=64,
-        )  # fmt: skip
-    if arch == "modernbert":  # 3 layers, the middle one local (8 positions)
-        return tf.ModernBertConfig(
-            vocab_size=VOCAB, num_hidden_layers=3, max_position_embeddings=64,
-            local_attention=8, global_attn_every_n_layers=2,
-            pad_token_id=0, bos_token_id=101, eos_token_id=102, cls_token_id=101,
-            sep_token_id=102, **SMALL,
-        )  # fmt: skip
-    if arch == "mpnet":
-        return tf.MPNetConfig(
-            vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=64,
-            **SMALL,
-        )  # fmt: skip
-    kinds = {
-        "bert": tf.BertConfig,
-        "roberta": tf.RobertaConfig,
-        "xlm-roberta": tf.XLMRobertaConfig,
-    }
-    return kinds[arch](
-        vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=64,
-        pad_token_id=0 if arch == "bert" else 1, **SMALL,
-    )  # fmt: skip
-
-
 def write_encoder(directory: Path, arch: str) -> Path:
     """A random ``arch`` encoder, every parameter scrambled, saved by
     transformers with MiniLM's tokenizer files."""
     import transformers as tf
 
     torch.manual_seed(0)
-    model = tf.AutoModel.from_config(_config(arch)).eval()
+    model = tf.AutoModel.from_config(encoder_config(arch)).eval()
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, param in model.named_parameters():

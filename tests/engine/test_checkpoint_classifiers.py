@@ -57,33 +57,28 @@ PROBLEMS = {
 }
 
 
-def _config(arch: str, problem: str) -> Any:
+def encoder_config(arch: str, **fields: Any) -> Any:
+    """A tiny ``arch`` configuration (64 positions) for MiniLM's tokenizer,
+    with ``fields`` besides: ModernBERT's special ids are its [CLS] and
+    [SEP]; RoBERTa's pad id, 1 ([unused0]), never occurs in a text."""
     import transformers as tf
 
-    labels = ["score"] if problem == "regression" else LABELS
-    common: dict[str, Any] = {
-        "id2label": dict(enumerate(labels)),
-        "label2id": {name: i for i, name in enumerate(labels)},
-        "problem_type": PROBLEMS[problem],
-    }
     if arch == "distilbert":
         return tf.DistilBertConfig(
             vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, hidden_dim=48,
-            max_position_embeddings=64, **common,
+            max_position_embeddings=64, **fields,
         )  # fmt: skip
-    if arch.startswith("modernbert"):
+    if arch.startswith("modernbert"):  # 3 layers, the middle one local
         return tf.ModernBertConfig(
             vocab_size=VOCAB, num_hidden_layers=3, max_position_embeddings=64,
             local_attention=8, global_attn_every_n_layers=2,
             pad_token_id=0, bos_token_id=101, eos_token_id=102, cls_token_id=101,
-            sep_token_id=102, classifier_activation="gelu",
-            classifier_pooling="mean" if arch.endswith("mean") else "cls",
-            **SMALL, **common,
+            sep_token_id=102, **SMALL, **fields,
         )  # fmt: skip
     if arch == "mpnet":
         return tf.MPNetConfig(
             vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=64,
-            **SMALL, **common,
+            **SMALL, **fields,
         )  # fmt: skip
     kinds = {
         "bert": tf.BertConfig,
@@ -92,8 +87,21 @@ def _config(arch: str, problem: str) -> Any:
     }
     return kinds[arch](
         vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=64,
-        pad_token_id=0 if arch == "bert" else 1, **SMALL, **common,
+        pad_token_id=0 if arch == "bert" else 1, **SMALL, **fields,
     )  # fmt: skip
+
+
+def _config(arch: str, problem: str) -> Any:
+    labels = ["score"] if problem == "regression" else LABELS
+    common: dict[str, Any] = {
+        "id2label": dict(enumerate(labels)),
+        "label2id": {name: i for i, name in enumerate(labels)},
+        "problem_type": PROBLEMS[problem],
+    }
+    if arch.startswith("modernbert"):
+        common["classifier_activation"] = "gelu"
+        common["classifier_pooling"] = "mean" if arch.endswith("mean") else "cls"
+    return encoder_config(arch, **common)
 
 
 def write_classifier(directory: Path, arch: str, problem: str = "single") -> Any:
