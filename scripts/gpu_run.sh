@@ -14,6 +14,9 @@
 #   step_overhead.log  benchmarks/step_overhead.py (STAGES "overhead"): a
 #                      few-token forward against the engine's graph step, per
 #                      plan; step_overhead_h200.json
+#   architectures.log  benchmarks/architectures.py (STAGES "archs"): MPNet's
+#                      fused path, ModernBERT's plain one, against transformers;
+#                      architectures_h200.json
 #   engine_bench.log   benchmarks/engine.py; its JSON in engine_h200.json;
 #                      smi.log: clocks, power, throttling while it ran
 #   fp8_gemm.log       benchmarks/fp8_gemm.py: FP8 against fp16 products at
@@ -76,6 +79,13 @@ if [[ " $STAGES " == *" tests "* ]]; then
   echo "gpu tests: exit $?"
   grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|cosine|top-1|utilization" \
     "$OUT/gpu_tests.log" | tail -n 40
+fi
+
+if [[ " $STAGES " == *" archs "* ]]; then
+  timeout 300 $PY benchmarks/architectures.py --out "$OUT/architectures_h200.json" \
+    > "$OUT/architectures.log" 2>&1
+  echo "architectures benchmark: exit $?"
+  grep -v "^20..-" "$OUT/architectures.log" | tail -n 14
 fi
 
 if [[ " $STAGES " == *" tiles "* ]]; then

@@ -83,13 +83,24 @@ class RelativePositionBias(nn.Module):
         self.bias = nn.Embedding(config.relative_buckets, config.num_heads)
 
     def forward(self, lengths: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        length = hidden.shape[1]
-        positions = torch.arange(length, device=hidden.device)
+        return self.scores(lengths, hidden.shape[1])
+
+    def scores(self, lengths: torch.Tensor, length: int) -> torch.Tensor:
+        """What is added to the attention scores of rows ``lengths`` padded
+        to ``length``: [B, heads, L, L] in the table's dtype."""
+        positions = torch.arange(length, device=lengths.device)
         buckets = relative_buckets(positions[None, :] - positions[:, None])
         bias = self.bias(buckets).permute(2, 0, 1)  # [heads, L, L]
         real = key_padding_mask(lengths, length)  # [B, 1, 1, L]
         lowest = torch.finfo(bias.dtype).min
         return torch.where(real, bias, torch.full_like(bias, lowest))
+
+    def by_distance(self, length: int) -> torch.Tensor:
+        """float32 [heads, 2L - 1]: column r + L - 1 holds each head's bias
+        for key - query = r, |r| < L (the fused attention kernel's table)."""
+        weight = self.bias.weight
+        relative = torch.arange(1 - length, length, device=weight.device)
+        return self.bias(relative_buckets(relative)).t().float().contiguous()
 
 
 def build(config: EncoderConfig) -> Parts:

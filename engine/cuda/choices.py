@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 import torch
 
+from engine.architectures.mpnet import RelativePositionBias
 from engine.cuda.layer_products import Fp8Layer
 from engine.cuda.tiles import LinearConfig
 from engine.cuda.timing import (
@@ -25,7 +26,6 @@ from engine.encoder import Encoder
 
 log = logging.getLogger("berth.engine")
 
-# Attention of a batch whose every row is full, with no mask.
 # Attention of a batch whose every row is full, with no mask: SDPA's own pick
 # for dense rows (cuDNN's or flash's batch kernel, faster than flash's varlen
 # path for any lengths) or berth's Triton kernel, whichever is faster for the
@@ -47,6 +47,7 @@ class _Forward(Protocol):
     preload: bool
     preloaded: dict[tuple[int, int], bool]
     fp8: list[Fp8Layer | None]
+    relative: RelativePositionBias | None
 
     def __call__(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor: ...
 
@@ -223,8 +224,10 @@ class ShapeChoices:
     def _full_keys(
         self: _Forward, kind: str, lengths: torch.Tensor, batch: int, length: int
     ) -> tuple[str, Any, bool]:
-        """What ``_attend`` takes for full rows: no mask, or the Triton
-        kernel's lengths (all L) and row starts."""
+        """What ``_attend`` takes for full rows: no mask (MPNet: its position
+        bias), or the Triton kernel's lengths (all L) and row starts."""
+        if kind == "sdpa" and self.relative is not None:
+            return kind, self.relative.scores(lengths, length), False
         if kind == "sdpa":
             return FULL_ROWS
         return self._keys("triton", lengths, batch, length)

@@ -8,7 +8,9 @@ modules and weights, in fewer passes over device memory (engine/cuda/kernels/):
   kernel is faster for the shape, measured at capture (``choose_attention``):
   torch's flash attention (varlen, ``seqused_k``) or berth's Triton kernel;
   SDPA with the boolean key mask where neither runs; SDPA with no mask when
-  every row is full (``FULL_ROWS``);
+  every row is full (``FULL_ROWS``). MPNet's relative position bias: read by
+  berth's kernel from a per-head table of key - query (flash takes no bias),
+  or SDPA's float mask, as the served model computes it;
 - feed-forward: bias and GELU in the cuBLASLt epilogue of the first matmul
   (tanh-form GELU; ``gelu_epilogue=False`` keeps the exact erf form);
 - residual add and LayerNorm in one Triton kernel; mean pooling in another;
@@ -42,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import settings as engine_settings
+from engine.architectures.mpnet import RelativePositionBias
 from engine.cuda import kernels
 from engine.cuda.choices import ShapeChoices
 from engine.cuda.kernels import add_layer_norm, add_layer_norm_partials, mean_pool
@@ -138,6 +141,13 @@ class FusedForward(ShapeChoices):
             pdl = settings.pdl
         self.pdl = pdl and kernels.pdl_available(weight)
         self.pdl_max_tokens = PDL_MAX_TOKENS
+        inputs = self.encoder.attention_inputs
+        # MPNet: the bias of every key - query the positions allow, per head.
+        self.relative: RelativePositionBias | None = None
+        self.position_bias: torch.Tensor | None = None
+        if isinstance(inputs, RelativePositionBias):
+            self.relative = inputs
+            self.position_bias = inputs.by_distance(self.embeddings.max_length)
         self.kinds = self._available(weight)
         self.chosen: dict[tuple[int, int], str] = {}  # (batch, length) -> kind
         self.full_rows: dict[tuple[int, int], str] = {}  # the same, full rows
@@ -161,7 +171,8 @@ class FusedForward(ShapeChoices):
     def _available(self, weight: torch.Tensor) -> list[str]:
         forced = engine_settings.current().attention
         kinds = []
-        if flash_available(weight.device, weight.dtype, self.head_dim):
+        biased = self.position_bias is not None  # flash takes no bias
+        if not biased and flash_available(weight.device, weight.dtype, self.head_dim):
             kinds.append("flash")
         if kernels.use_triton(weight) and weight.is_cuda:
             kinds.append("triton")
@@ -276,7 +287,7 @@ class FusedForward(ShapeChoices):
         """(kind, what that attention kernel needs to cut keys at each length,
         whether the rows are packed)."""
         if kind == "sdpa":
-            return kind, key_padding_mask(lengths, length), False
+            return kind, self.sdpa_mask(lengths, length), False
         starts = self._row_starts(batch, length, lengths.device)
         if kind == "triton":  # reads any int lengths, 0 as 1: no kernels here
             return kind, (lengths, starts), False
@@ -439,7 +450,7 @@ class FusedForward(ShapeChoices):
             used, starts = cut
             return kernels.attention(
                 qkv, used, batch, length, self.heads, starts=starts, packed=packed,
-                pdl=self._dependent(tokens),
+                pdl=self._dependent(tokens), bias=self.position_bias,
             )  # fmt: skip
         if kind == "flash":
             used, starts = cut
@@ -481,6 +492,13 @@ class FusedForward(ShapeChoices):
                 linear.bias, x, linear.weight.t(), use_gelu=True
             )
         return layer.act(F.linear(x, linear.weight, linear.bias))
+
+    def sdpa_mask(self, lengths: torch.Tensor, length: int) -> torch.Tensor:
+        """SDPA's mask: the boolean key mask, or MPNet's float bias with the
+        lowest value at padding keys."""
+        if self.relative is None:
+            return key_padding_mask(lengths, length)
+        return self.relative.scores(lengths, length)
 
     def _row_starts(
         self, batch: int, length: int, device: torch.device

@@ -2,8 +2,8 @@
 the architectures berth's fused kernels do not compute.
 
 The fused kernels (engine/cuda/forward.py) compute the BERT family's
-post-LayerNorm layers (``FUSED_FAMILIES``). Any other encoder (MPNet,
-ModernBERT) runs as :class:`engine.model.ServedModel` itself, in the model's
+post-LayerNorm layers and MPNet's (``FUSED_FAMILIES``). Any other encoder
+(ModernBERT) runs as :class:`engine.model.ServedModel` itself, in the model's
 dtype, captured in the same graphs and fed through the same pinned slots:
 rows padded to their bucket (never packed), one attention (torch's SDPA),
 ids and lengths checked before each launch.
@@ -17,7 +17,7 @@ import torch
 
 from engine.model import ServedModel
 
-FUSED_FAMILIES = ("bert", "distilbert", "roberta")
+FUSED_FAMILIES = ("bert", "distilbert", "roberta", "mpnet")
 
 
 def unfused_reason(served: ServedModel) -> str | None:

@@ -6,8 +6,9 @@ count), loads it with ``load_encoder`` and compares the hidden states with
 transformers' eager implementation in float32, on rows of several lengths:
 1, the longest the positions allow, and for ModernBERT lengths past its
 sliding window. The new architectures also serve through ``backend: auto``
-on the CPU (onnxruntime, through berth's ONNX export) and, on a GPU, as plain
-torch in the CUDA runner's graphs.
+on the CPU (onnxruntime, through berth's ONNX export) and, on a GPU, in the
+CUDA runner's graphs: MPNet on the fused kernels (tests/engine/test_fused_mpnet.py),
+ModernBERT as plain torch.
 """
 
 from __future__ import annotations
@@ -264,10 +265,10 @@ def test_auto_serves_them_on_onnxruntime_on_the_cpu(tmp_path: Path, case: str) -
     np.testing.assert_allclose(got, want, atol=1e-5)
 
 
-def test_the_fused_kernels_refuse_them_and_the_gpu_runner_runs_them_plain(
+def test_the_fused_kernels_refuse_modernbert_and_the_gpu_runner_runs_it_plain(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """engine/cuda's runner gives these architectures the plain forward, and
+    """engine/cuda's runner gives ModernBERT the plain forward, and
     its graph step computes what the served model computes (here on the
     CPU, through a stand-in for the CUDA backend's settings)."""
     from engine.cuda.runner import ModelRunner
@@ -279,7 +280,7 @@ def test_the_fused_kernels_refuse_them_and_the_gpu_runner_runs_them_plain(
         stream=SimpleNamespace(device_index=0, cuda_stream=0),
         torch_device=torch.device("cpu"),
     )  # fmt: skip
-    for case in ("mpnet", "modernbert"):
+    for case in ("modernbert",):
         write_checkpoint(tmp_path / case, case)
         served = load_served_model(_entry(tmp_path / case, case))
         reason = unfused_reason(served)
@@ -305,6 +306,7 @@ def test_the_fused_kernels_refuse_them_and_the_gpu_runner_runs_them_plain(
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("case", ["mpnet", "modernbert"])
 def test_cuda_backend_runs_them_in_cuda_graphs(tmp_path: Path, case: str) -> None:
+    """MPNet on the fused forward, ModernBERT as plain torch, in graphs."""
     from engine.cuda.backend import CudaBackend
 
     write_checkpoint(tmp_path, case)
@@ -313,7 +315,8 @@ def test_cuda_backend_runs_them_in_cuda_graphs(tmp_path: Path, case: str) -> Non
     want.load(entry)
     cuda = CudaBackend("cuda")
     cuda.load(entry)
-    assert isinstance(cuda.runner(case).forward, PlainForward)
+    kind = FusedForward if case == "mpnet" else PlainForward
+    assert isinstance(cuda.runner(case).forward, kind)
     longest = entry.max_tokens
     cuda.warmup(case, [(1, longest), (8, longest), (8, 16)])
     assert len(cuda.runner(case).graphs) >= 3

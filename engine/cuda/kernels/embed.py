@@ -106,6 +106,8 @@ def _embed(
 ) -> None:
     """The embeddings kernel over ids [B, L] into out: packed from lengths
     and ``starts``, or padded, lengths clamped into ``copied``."""
+    if not ids.is_contiguous():  # the kernel reads row b at b * L
+        raise ValueError("the embedding kernel reads contiguous ids")
     side = starts if starts is not None else copied
     if side is None:
         raise ValueError("packed rows need their starts, padded ones a lengths copy")
