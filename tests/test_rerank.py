@@ -64,8 +64,7 @@ def write_cross_encoder(directory: Path, arch: str) -> None:
     (directory / "config.json").write_text(json.dumps(config))
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def write_rerankers(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A repository of one rerank entry per architecture."""
     root = tmp_path_factory.mktemp("rerankers")
     checkpoints = tmp_path_factory.mktemp("reranker_checkpoints")
@@ -73,6 +72,11 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
         write_cross_encoder(checkpoints / arch, arch)
         add_entry(root, arch, checkpoints / arch, task="rerank")
     return root
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_rerankers(tmp_path_factory)
 
 
 def cross_encoder_scores(checkpoint: Path, query: str, texts: list[str]) -> np.ndarray:

@@ -18,12 +18,33 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.cuda.forward import FusedForward
+from engine.cuda.plain import PlainForward
+from engine.model import load_served_model
+from gateway.berth import activated
+from gateway.tokenize import Limits, TextEncoder
+from services.repository import load_entry
+from tests.engine.test_architectures import VOCAB, _entry, write_checkpoint
+from tests.engine.test_checkpoint_classifiers import (
+    add_entry,
+    reference,
+    token_batch,
+    write_classifier,
+)
+from tests.test_rerank import (
+    ARCHITECTURES,
+    QUERY,
+    TEXTS,
+    cross_encoder_scores,
+    padded,
+    write_rerankers,
+)
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-ARCHITECTURES = ["bert", "distilbert", "roberta", "xlm-roberta", "mpnet", "modernbert"]
 FUSED = {"bert", "distilbert", "roberta", "xlm-roberta", "mpnet"}
 SCORE_TOLERANCE = 1e-2  # fp16 weights and activations, sigmoid scores
 
@@ -35,9 +56,6 @@ def _shapes(longest: int) -> list[tuple[int, int]]:
 
 
 def _forward_kind(backend: object, name: str, arch: str) -> None:
-    from engine.cuda.forward import FusedForward
-    from engine.cuda.plain import PlainForward
-
     forward = backend.runner(name).forward  # type: ignore[attr-defined]
     expected = FusedForward if arch in FUSED else PlainForward
     assert isinstance(forward, expected), (arch, type(forward))
@@ -45,15 +63,7 @@ def _forward_kind(backend: object, name: str, arch: str) -> None:
 
 @pytest.fixture(scope="module")
 def rerankers(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.engine.test_checkpoint_classifiers import add_entry
-    from tests.test_rerank import write_cross_encoder
-
-    root = tmp_path_factory.mktemp("rerankers")
-    checkpoints = tmp_path_factory.mktemp("reranker_checkpoints")
-    for arch in ARCHITECTURES:
-        write_cross_encoder(checkpoints / arch, arch)
-        add_entry(root, arch, checkpoints / arch, task="rerank")
-    return root
+    return write_rerankers(tmp_path_factory)
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -62,10 +72,6 @@ def test_rerank_scores_equal_the_cross_encoders(rerankers: Path, arch: str) -> N
     the architecture has token types, scored in the graphs as
     ``CrossEncoder.predict`` scores them in float32."""
     from engine.cuda.backend import CudaBackend
-    from gateway.berth import activated
-    from gateway.tokenize import Limits, TextEncoder
-    from services.repository import load_entry
-    from tests.test_rerank import QUERY, TEXTS, cross_encoder_scores, padded
 
     entry = load_entry(rerankers / arch)
     rows = TextEncoder(entry, Limits()).encode_pairs(QUERY, TEXTS, truncate=False)
@@ -93,13 +99,6 @@ def test_classifier_heads_label_as_transformers_does(
     tmp_path: Path, arch: str, problem: str
 ) -> None:
     from engine.cuda.backend import CudaBackend
-    from services.repository import load_entry
-    from tests.engine.test_checkpoint_classifiers import (
-        add_entry,
-        reference,
-        token_batch,
-        write_classifier,
-    )
 
     model = write_classifier(tmp_path / "checkpoint", arch, problem)
     entry = load_entry(add_entry(tmp_path / "repo", "c", tmp_path / "checkpoint"))
@@ -124,10 +123,6 @@ def test_mpnet_attention_kernels_carry_the_position_bias(
     and (berth's kernel) packed rows, against the float32 encoder on the CPU,
     on rows from 1 token to every position (distances past 128: the far
     buckets)."""
-    from engine.cuda.forward import FusedForward
-    from engine.model import load_served_model
-    from tests.engine.test_architectures import VOCAB, _entry, write_checkpoint
-
     write_checkpoint(tmp_path, "mpnet")
     entry = _entry(tmp_path, "mpnet")
     reference = load_served_model(entry)
