@@ -44,9 +44,11 @@
 # Carried, because the device machine reaches no registry:
 #   .whl/             cp312 wheels of grpcio>=1.85.1 (our stubs need it; the
 #                     image has 1.84), grpcio-tools, protobuf, health,
-#                     reflection, opentelemetry-api, uvloop; installed to /tmp/site
+#                     reflection, opentelemetry-api, uvloop, googleapis-common-protos
+#                     (google.rpc's error details); installed to /tmp/site
 #   build/gpu_carry/  `python -m tests.gpu.reference build/gpu_carry`: the
-#                     MiniLM checkpoint in fp16 and fp32 CPU references
+#                     MiniLM checkpoint in fp16 with its tokenizer's files, and
+#                     fp32 CPU references
 # The GPU's clocks, power limit and MIG layout are only read, never set.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}

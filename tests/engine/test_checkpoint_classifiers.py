@@ -12,6 +12,7 @@ softmax (single-label), a sigmoid per label (multi-label) or as they are
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -28,9 +29,9 @@ from services.cli.default_models import minilm_checkpoint
 from services.fallback_model import FallbackModel
 from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
 from services.repository import ModelEntry, RepositoryError, load_entry, load_repository
+from tests.gpu.reference import FIXTURES_ENV
 from tests.stack import Stack, serving
 
-MINILM = minilm_checkpoint()
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt")
 VOCAB = 30522  # the minilm tokenizer's
 SMALL = {"hidden_size": 32, "num_attention_heads": 4, "intermediate_size": 48}
@@ -55,6 +56,14 @@ PROBLEMS = {
     "multi": "multi_label_classification",
     "regression": "regression",
 }
+
+
+def tokenizer_dir() -> Path:
+    """The minilm tokenizer's files: the GPU fixtures' checkpoint
+    (tests/gpu/reference.py) where a GPU machine carries them, else the
+    package's."""
+    carried = os.environ.get(FIXTURES_ENV)
+    return Path(carried) / "checkpoint" if carried else minilm_checkpoint()
 
 
 def encoder_config(arch: str, **fields: Any) -> Any:
@@ -119,7 +128,7 @@ def write_classifier(directory: Path, arch: str, problem: str = "single") -> Any
             param.add_(torch.randn(param.shape, generator=generator) * 0.2)
     model.save_pretrained(directory, safe_serialization=True)
     for name in TOKENIZER_FILES:
-        shutil.copy(MINILM / name, directory / name)
+        shutil.copy(tokenizer_dir() / name, directory / name)
     return model
 
 

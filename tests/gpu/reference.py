@@ -224,7 +224,13 @@ def write_fixtures(out: Path) -> None:
         weights = load_file(source / "model.safetensors")
         half = {k: v.half() if v.is_floating_point() else v for k, v in weights.items()}
         save_file(half, checkpoint / "model.safetensors", metadata={"format": "pt"})
-        for name in ("config.json", "tokenizer.json"):
+        # The tokenizer's files too: the GPU tests build checkpoints around it.
+        for name in (
+            "config.json",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "vocab.txt",
+        ):
             shutil.copy(source / name, checkpoint / name)
         for name, entry in built.entries.items():
             entry_dir = out / "repo" / name

@@ -20,10 +20,13 @@ from services.cli.checkpoints import (
     split_spec,
     write_repository,
 )
+from services.cli.default_models import minilm_checkpoint
 from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
 from services.repository import load_repository
-from tests.engine.test_checkpoint_classifiers import LABELS, MINILM, write_classifier
+from tests.engine.test_checkpoint_classifiers import LABELS, write_classifier
 from tests.stack import ROOT, Stack, serving
+
+MINILM = minilm_checkpoint()
 
 
 @pytest.fixture(scope="module")
