@@ -146,3 +146,32 @@ def test_mpnet_attention_kernels_carry_the_position_bias(
     for out in outputs:
         cosine = F.cosine_similarity(out[real], want[real])
         assert torch.isfinite(out).all() and cosine.min().item() > 0.999
+
+
+def test_an_fp8_mpnet_runs_fp8_layers_around_its_biased_attention(
+    tmp_path: Path,
+) -> None:
+    """quantize: fp8 on an MPNet classifier: every layer takes the fused FP8
+    path, its attention still biased, and the graphs give what the eager
+    fused forward gives."""
+    from engine.cuda.backend import CudaBackend
+
+    write_classifier(tmp_path / "checkpoint", "mpnet")
+    entry_dir = add_entry(
+        tmp_path / "repo", "c", tmp_path / "checkpoint", quantize="fp8"
+    )
+    entry = load_entry(entry_dir)
+    backend = CudaBackend("cuda")
+    backend.load(entry)
+    forward = backend.runner("c").forward
+    assert isinstance(forward, FusedForward) and forward.position_bias is not None
+    assert all(plan is not None for plan in forward.fp8)
+    backend.warmup("c", _shapes(entry.max_tokens))
+    _, batch, lengths = token_batch(entry)
+    graphed = backend.run("c", batch, lengths)
+    with torch.inference_mode():
+        eager = forward(
+            torch.from_numpy(batch).cuda(), torch.from_numpy(lengths).cuda()
+        )
+    np.testing.assert_allclose(graphed, eager.float().cpu().numpy(), atol=1e-3)
+    assert np.isfinite(graphed).all()
