@@ -14,7 +14,9 @@ and a key's model list applies. Each request is a server span under the caller's
 berth error is answered with its HTTP status (:func:`http_status`) and a
 body in the route's style: OpenAI's ``{"error": {"message", "type",
 "param", "code"}}`` on /v1, TEI's ``{"error", "error_type"}`` elsewhere. A
-body over ``--max-message-mb`` is refused 413 unread.
+body over ``--max-message-mb`` is refused 413 unread. Each request has the
+deadline ``--http-timeout-s`` from its arrival (0: none); past it, it is
+answered 504 (DEADLINE_EXCEEDED).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import logging
 import math
 import os
 import ssl
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -100,7 +103,7 @@ _TEI_TYPES = {
 
 
 def add_http_flag(parser: argparse.ArgumentParser) -> None:
-    """The gateway's --http-port."""
+    """The gateway's --http-port and --http-timeout-s."""
     add_flag(
         parser,
         "http-port",
@@ -108,10 +111,23 @@ def add_http_flag(parser: argparse.ArgumentParser) -> None:
         "port of the HTTP/JSON surface (OpenAI /v1/embeddings, TEI /embed, "
         "/predict, /rerank), on --host beside the gRPC port (0: off)",
     )
+    add_flag(
+        parser,
+        "http-timeout-s",
+        30.0,
+        "deadline of each HTTP/JSON request from its arrival, handed to the "
+        "batcher as a gRPC call's is; past it the request is answered 504 "
+        "(0: no deadline)",
+    )
 
 
 def http_flags_problem(args: argparse.Namespace) -> str | None:
-    """Why --http-port cannot be used as given, or None."""
+    """Why --http-port or --http-timeout-s cannot be used as given, or None."""
+    if not math.isfinite(args.http_timeout_s) or args.http_timeout_s < 0:
+        return (
+            f"--http-timeout-s {args.http_timeout_s}: give a deadline in seconds, "
+            "or 0 for none"
+        )
     grpc_ports = {args.port, args.own_port} - {0}
     if args.http_port and args.http_port in grpc_ports:
         return (
@@ -226,10 +242,13 @@ class HttpSurface:
         max_body_bytes: int,
         serving: Callable[[], bool],
         drain_s: float,
+        timeout_s: float,
     ) -> None:
+        """``timeout_s``: each request's deadline from its arrival (0: none)."""
         self.gateway = gateway
         self.api = Api(Berth(gateway), max_texts, gateway.admission.limit)
         self.keys = keys
+        self.timeout_s = timeout_s
         self.serving = serving
         self.max_body_bytes = max_body_bytes
         self.host = ""
@@ -311,6 +330,7 @@ class HttpSurface:
     ) -> web.Response:
         """One request: in a server span under the caller's trace, its key
         checked, its body parsed, its route's reply or its error answered."""
+        deadline = time.monotonic() + self.timeout_s if self.timeout_s else None
         metadata = [(k.lower(), v) for k, v in request.headers.items()]
         query = {**request.query, **request.match_info}
         attributes: dict[str, str | int] = {
@@ -329,7 +349,7 @@ class HttpSurface:
                 if self.keys is not None:
                     token = auth.CALLER.set(self.keys.caller(metadata))
                 body = await self._body(request) if request.method == "POST" else None
-                reply = await route(self.api, Call(body, query))
+                reply = await route(self.api, Call(body, query, deadline))
                 response = await self._json(reply)
             except UnicodeEncodeError:  # a JSON escape of a lone surrogate
                 response = error_response(style, NOT_TEXT)
@@ -391,6 +411,7 @@ async def start_http(
         max_body_bytes=args.max_message_mb * 2**20,
         serving=serving,
         drain_s=args.drain_timeout_s,
+        timeout_s=args.http_timeout_s,
     )
     files = TlsFiles.from_args(args)
     https = HttpsFiles(files) if files is not None else None

@@ -6,7 +6,10 @@ request, runs it through :class:`gateway.berth.Berth` (counted, api
 ``http``) and shapes the answer as the API it imitates does. What a body
 holds that the route does not take is refused with InvalidInput naming it;
 the serving of a route (keys, tracing, errors as HTTP statuses) is
-gateway/http.py's.
+gateway/http.py's. A request with a deadline (``--http-timeout-s``) hands
+the time it has left to the request path, as a gRPC call does, and is
+answered DeadlineExceeded if the path has not answered DEADLINE_GRACE_S past
+it.
 
 TEI's routes carry no model name: they serve the model of the ``model``
 query parameter, else the only model of their task.
@@ -14,7 +17,9 @@ query parameter, else the only model of their task.
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +30,7 @@ from gateway import auth
 from gateway.berth import Berth, Response, Served
 from gateway.echo import quoted
 from gateway.pipeline import Model
-from services.errors import InvalidInput
+from services.errors import DeadlineExceeded, InvalidInput
 from services.proto.berth.v1 import berth_pb2
 
 # The openai client's models.list() shows who owns a model.
@@ -35,6 +40,11 @@ OWNER = "berth"
 INLINE_JSON_VALUES = 16384
 # A Classify top_k past any model's label count: every label, best first.
 EVERY_LABEL = 2**31 - 1
+# How long past its deadline a request waits for the request path's own
+# answer (the batcher's DEADLINE_EXCEEDED, or the CPU fallback's, which
+# start-up holds leave FALLBACK_RESERVE_S for) before it is answered
+# DeadlineExceeded without it.
+DEADLINE_GRACE_S = 0.5
 
 
 @dataclass
@@ -49,14 +59,25 @@ class Reply:
 
 @dataclass
 class Call:
-    """One HTTP request as a route sees it: its JSON body (None for a GET)
-    and its query."""
+    """One HTTP request as a route sees it: its JSON body (None for a GET),
+    its query, and its deadline (time.monotonic(); None: none)."""
 
     body: Any
     query: Mapping[str, str]
+    deadline: float | None = None
+
+    def time_remaining(self) -> float | None:
+        """Seconds left before the deadline (0 once past), as gRPC's
+        ``context.time_remaining()``; None without a deadline."""
+        if self.deadline is None:
+            return None
+        return max(0.0, self.deadline - time.monotonic())
 
 
 Route = Callable[["Api", Call], Awaitable[Reply]]
+# One berth.v1 call over the request path, given the time it has (None: no
+# deadline).
+Work = Callable[[float | None], Awaitable[Served[Response]]]
 
 
 def _fields(body: Any, allowed: set[str], required: set[str]) -> dict[str, Any]:
@@ -138,9 +159,12 @@ class Api:
         self.max_in_flight = max_in_flight
 
     async def _counted(
-        self, model: str, texts: int, work: Awaitable[Served[Response]]
+        self, call: Call, model: str, texts: int, work: Work[Response]
     ) -> Response:
-        return await self.berth.counted("http", model, texts, work)
+        """``work`` with the time ``call`` has left, counted (api ``http``)."""
+        timeout_s = call.time_remaining()
+        bounded = _within(work(timeout_s), timeout_s)
+        return await self.berth.counted("http", model, texts, bounded)
 
     def _served(self, query: Mapping[str, str], task: str) -> str:
         """The model a TEI route serves: the ``model`` query parameter, else
@@ -179,8 +203,9 @@ class Api:
         _typed(body, "user", str, "")
         options = berth_pb2.Options(dimensions=self._dimensions(body))
         request = berth_pb2.EmbedRequest(model=name, texts=texts, options=options)
+        tenant = _tenant()
         response = await self._counted(
-            name, len(texts), self.berth.embed(request, None, _tenant())
+            call, name, len(texts), lambda t: self.berth.embed(request, t, tenant)
         )
         rows = _vectors(response)
         data = [
@@ -251,8 +276,9 @@ class Api:
         )
         name = self._served(call.query, "embed")
         request = berth_pb2.EmbedRequest(model=name, texts=texts, options=options)
+        tenant = _tenant()
         response = await self._counted(
-            name, len(texts), self.berth.embed(request, None, _tenant())
+            call, name, len(texts), lambda t: self.berth.embed(request, t, tenant)
         )
         rows = _vectors(response)
         return Reply(rows.tolist(), _degraded(response), rows.size)
@@ -274,8 +300,9 @@ class Api:
         request = berth_pb2.ClassifyRequest(
             model=name, texts=texts, options=options, top_k=EVERY_LABEL
         )
+        tenant = _tenant()
         response = await self._counted(
-            name, len(texts), self.berth.classify(request, None, _tenant())
+            call, name, len(texts), lambda t: self.berth.classify(request, t, tenant)
         )
         results = [
             [{"label": s.label, "score": s.score} for s in result.labels]
@@ -301,8 +328,9 @@ class Api:
             return_text=_typed(body, "return_text", bool, False),
             sort=True,
         )
+        tenant = _tenant()
         response = await self._counted(
-            name, len(texts), self.berth.rerank(request, None, _tenant())
+            call, name, len(texts), lambda t: self.berth.rerank(request, t, tenant)
         )
         ranked = [
             {"index": r.index, "score": r.score}
@@ -342,6 +370,27 @@ class Api:
                 "version": "berth",
             }
         )
+
+
+async def _within(
+    work: Awaitable[Served[Response]], timeout_s: float | None
+) -> Served[Response]:
+    """``work``'s answer; raises DeadlineExceeded (and cancels ``work``, which
+    calls off its texts where they wait) when it has none DEADLINE_GRACE_S
+    past ``timeout_s``."""
+    if timeout_s is None:
+        return await work
+    timer = asyncio.timeout(timeout_s + DEADLINE_GRACE_S)
+    try:
+        async with timer:
+            return await work
+    except TimeoutError:
+        if not timer.expired():
+            raise
+        raise DeadlineExceeded(
+            "the request's deadline passed before it was answered (the "
+            "gateway's --http-timeout-s)"
+        ) from None
 
 
 def _tenant() -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import os
 import signal
 import socket
 import ssl
@@ -31,7 +32,7 @@ from services.proto.berth.v1 import berth_pb2, berth_pb2_grpc
 from tests.metrics import requests, scrape
 from tests.otlp import Receiver
 from tests.pki import Pki, issue
-from tests.stack import ROOT, Stack, free_ports, serving
+from tests.stack import ROOT, Stack, free_ports, pid_listening, serving
 from tests.test_gateways import Service
 from tests.test_observability import exporting_to, wait_for
 
@@ -307,6 +308,15 @@ def test_a_request_is_a_span_in_the_callers_trace(
         ]
     )
     assert below and below[0].parent_id == span.span_id
+    # The batcher got the request's deadline (--http-timeout-s, 30 s).
+    queued = wait_for(
+        lambda: [
+            s
+            for s in receiver.snapshot()
+            if s.trace_id == TRACE and s.name == "batcher.queue"
+        ]
+    )
+    assert queued and 25_000 < int(queued[0].attributes["berth.timeout_ms"]) <= 30_000
 
 
 def test_http_calls_are_counted(stack: Stack) -> None:
@@ -352,6 +362,75 @@ def test_a_gateway_refuses_http_on_its_grpc_port() -> None:
     )
     assert done.returncode == 2, done.stderr
     assert "--http-port" in done.stderr
+
+
+def test_http_timeout_s_takes_0_for_no_deadline() -> None:
+    """0 is taken (no deadline); a negative or infinite deadline is refused
+    before anything starts. (In a process of its own, as above.)"""
+    parse = (
+        "import sys; from gateway.__main__ import parse_args; "
+        "print(parse_args(sys.argv[1:]).http_timeout_s)"
+    )
+
+    def run(value: str) -> subprocess.CompletedProcess[str]:
+        argv = ["--http-port", "7001", "--http-timeout-s", value]
+        return subprocess.run(
+            [sys.executable, "-c", parse, *argv],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
+
+    taken = run("0")
+    assert taken.returncode == 0 and taken.stdout.strip() == "0.0", taken.stderr
+    for value in ("-1", "inf"):
+        refused = run(value)
+        assert refused.returncode == 2 and "--http-timeout-s" in refused.stderr
+
+
+def test_a_request_past_its_deadline_is_504_and_the_gateway_serves_on(
+    repository: Path,
+) -> None:
+    """--http-timeout-s 1 (BERTH_HTTP_TIMEOUT_S under serve): with the
+    batcher stopped (SIGSTOP; its stream stays up, so neither the batcher's
+    deadline nor the fallback answers) a call waits; it is answered 504 in
+    the route's style soon after its deadline, counted as failed, and once
+    the batcher resumes the next call is answered by the engines."""
+    stack = Stack(repository, http=True, env={"BERTH_HTTP_TIMEOUT_S": "1"})
+    with serving(stack):
+        assert post(stack, "/embed", {"inputs": "before the stop"})[0] == 200
+        batcher = pid_listening("batcher", int(stack.batcher.rsplit(":", 1)[1]))
+        before = scrape(stack.metrics[0])
+        calls = [
+            ("/embed", {"inputs": "waits for a stopped batcher"}),
+            ("/v1/embeddings", {"model": "minilm", "input": "and so does this"}),
+        ]
+        os.kill(batcher, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with ThreadPoolExecutor(2) as pool:  # (_call waits up to 60 s)
+                tei, openai_style = pool.map(lambda c: post(stack, *c), calls)
+            took = time.monotonic() - t0
+        finally:
+            os.kill(batcher, signal.SIGCONT)
+        # Without the deadline they would wait until the stream's keepalive
+        # gives the stopped batcher up (5 s and more), then get the
+        # fallback's answer.
+        assert took < 4, (took, tei, openai_style)
+        assert tei[0] == 504 and tei[1]["error_type"] == "Timeout", tei
+        assert "--http-timeout-s" in tei[1]["error"]
+        assert openai_style[0] == 504, openai_style
+        error = openai_style[1]["error"]
+        assert error["type"] == "server_error"
+        assert error["code"] == "deadline_exceeded"
+        assert "--http-timeout-s" in error["message"]
+        after = scrape(stack.metrics[0])
+        failed = requests(after, "minilm", "http", "failed")
+        assert failed - requests(before, "minilm", "http", "failed") == 2
+        status, vectors, headers = post(stack, "/embed", {"inputs": "after it"})
+        assert status == 200 and len(vectors[0]) == 384
+        assert "x-berth-degraded" not in {k.lower() for k in headers}
 
 
 def test_tei_rerank_answers_as_the_cross_encoder(tmp_path: Path) -> None:
