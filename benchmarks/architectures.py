@@ -34,6 +34,7 @@ import argparse
 import json
 import platform
 import sys
+import tempfile
 from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
@@ -180,8 +181,6 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--archs", default="mpnet,modernbert")
     args = parser.parse_args()
-    import tempfile
-
     print(f"{torch.cuda.get_device_name()}: ms per forward in a CUDA graph; "
           "x = transformers eager fp16 time / this side's")  # fmt: skip
     print(f"{'model':<11} {'batch':>5} {'length':>6} {'baseline':>9} "

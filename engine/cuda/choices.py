@@ -53,6 +53,8 @@ class _Forward(Protocol):
 
     def _dependent(self, tokens: int) -> bool: ...
 
+    def sdpa_mask(self, lengths: torch.Tensor, length: int) -> torch.Tensor: ...
+
     def _plan(self, tokens: int, preload: bool = False) -> dict[str, LinearConfig]: ...
 
     def _keys(
@@ -227,7 +229,7 @@ class ShapeChoices:
         """What ``_attend`` takes for full rows: no mask (MPNet: its position
         bias), or the Triton kernel's lengths (all L) and row starts."""
         if kind == "sdpa" and self.relative is not None:
-            return kind, self.relative.scores(lengths, length), False
+            return kind, self.sdpa_mask(lengths, length), False
         if kind == "sdpa":
             return FULL_ROWS
         return self._keys("triton", lengths, batch, length)
